@@ -1,0 +1,491 @@
+"""The controller's state and logic, free of gRPC.
+
+``Controller`` owns the telemetry store (one ``WorkerState`` per worker), the
+acceptance model shared by every worker running the same drafter version,
+each worker's cost model, the policy and the plan bookkeeping. The gRPC
+servicer only moves messages between the network and these methods, so the
+same code runs under the server, under the simulated-time benchmark and in
+tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import zlib
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from controller.acceptance import AcceptanceModel, AcceptancePrior, expected_chain_accepted
+from controller.config import ServerConfig
+from controller.cost import CostParams, StepCostModel
+from controller.protocol import (
+    Invalid,
+    R,
+    decision_to_proto,
+    drafter_limits,
+    plan_to_proto,
+    validate_finished,
+    validate_hello,
+    validate_step,
+)
+from policies.base import (
+    DrafterLimits,
+    FinishedRequest,
+    LoadProfile,
+    Observation,
+    PlanDraft,
+    Policy,
+    RequestOutcome,
+    StepOutcome,
+)
+from policies.goodput import table_goodput
+from policies.table import Decision, bucket_index
+from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
+
+log = logging.getLogger("specctl.controller")
+
+RECENT_STEPS = 512  # steps buffered for the policy between two decide() calls
+RECENT_FINISHED = 1024
+FINISHED_IDS = 16384  # ids remembered to refuse reports about finished requests
+LOAD_EMA = 0.2
+
+
+@dataclass
+class SentPlan:
+    version: int
+    nonce: str
+    draft: PlanDraft
+    sent_at: float
+    kind: str  # "plan" | "request_decisions"
+
+
+@dataclass
+class WorkerState:
+    """Everything the controller knows about one worker."""
+
+    hello: worker_pb2.Hello
+    limits: DrafterLimits
+    cost: StepCostModel
+    connected: bool = True
+    last_step_id: int = 0
+    steps_ingested: int = 0
+    last_report_at: float = 0.0
+    active: OrderedDict[str, int] = field(default_factory=OrderedDict)  # request id -> context_len
+    finished_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    recent_finished: deque = field(default_factory=lambda: deque(maxlen=RECENT_FINISHED))
+    # Load profile: EMA of batch size, of the context-bucket share and mean.
+    batch_ema: float = 0.0
+    context_counts: list[float] = field(default_factory=list)
+    context_sums: list[float] = field(default_factory=list)
+    context_share: np.ndarray | None = None
+    context_mean: np.ndarray | None = None
+    tokens_ema: float = 0.0
+    step_ms_ema: float = 0.0
+    # Plans.
+    policy_state: Any = None
+    plan_version: int = 0
+    current: PlanDraft | None = None
+    pending: dict[int, SentPlan] = field(default_factory=dict)  # version -> unacknowledged
+    acked_version: int = 0
+    nacks: int = 0
+    last_push_at: float = float("-inf")
+    last_decide_at: float = float("-inf")
+    new_steps: int = 0
+    force_push: bool = False  # e.g. after a policy reload
+    sent_overrides: dict[str, Decision] = field(default_factory=dict)
+    plan_push_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+    rejections: Counter = field(default_factory=Counter)
+
+    @property
+    def worker_id(self) -> str:
+        return self.hello.worker_id
+
+    @property
+    def drafter_key(self) -> tuple[str, str]:
+        return (self.limits.kind, self.limits.version)
+
+    def observed_goodput(self) -> float:
+        return 1000.0 * self.tokens_ema / self.step_ms_ema if self.step_ms_ema > 0 else 0.0
+
+
+class Controller:
+    """Telemetry in, plans out. All methods take ``now`` from the injected clock."""
+
+    def __init__(self, config: ServerConfig, policy: Policy, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.policy = policy
+        self.clock = clock
+        self.batch_edges = tuple(config.batch_size_edges)
+        self.context_edges = tuple(config.context_len_edges)
+        a = config.acceptance
+        self.acceptance = AcceptanceModel(
+            self.context_edges,
+            half_life_s=a.half_life_s,
+            max_evidence=a.max_evidence,
+            prior=AcceptancePrior(rank1_mean=a.prior_rank1_mean, strength=a.prior_strength),
+        )
+        self.workers: dict[str, WorkerState] = {}
+        self.rejections: Counter = Counter()
+        self.policy_reloads = 0
+        self.policy_reload_failures = 0
+        self._last_tick = float("-inf")
+        self.on_step: list[Callable[[WorkerState, worker_pb2.StepReport], None]] = []
+
+    # ----------------------------------------------------------------- hello
+    def hello(self, hello: worker_pb2.Hello) -> WorkerState:
+        """Register (or re-register) a worker; raises ``Invalid``."""
+        try:
+            validate_hello(hello)
+        except Invalid as err:
+            self.rejections[err.reason] += 1
+            raise
+        limits = drafter_limits(hello)
+        state = self.workers.get(hello.worker_id)
+        if state is None or state.limits != limits or state.hello.model != hello.model:
+            hw = hello.hardware
+            prior = CostParams.from_hardware(
+                hw.memory_bandwidth_gb_s, hw.peak_tflops, hw.weight_bytes, hw.kv_bytes_per_token, hw.params
+            )
+            state = WorkerState(hello=hello, limits=limits, cost=StepCostModel(prior=prior))
+            state.context_counts = [0.0] * len(self.context_edges)
+            state.context_sums = [0.0] * len(self.context_edges)
+            state.policy_state = self.policy.initial_state(seed=_stable_seed(hello.worker_id))
+            self.workers[hello.worker_id] = state
+        state.hello = hello
+        state.connected = True
+        # Versions only move forward, also across controller restarts: the
+        # worker tells us the plan it runs and the next one must be newer.
+        state.plan_version = max(state.plan_version, hello.current_plan_version)
+        state.acked_version = max(state.acked_version, hello.current_plan_version)
+        return state
+
+    def disconnect(self, state: WorkerState) -> None:
+        state.connected = False
+        state.pending.clear()
+
+    # -------------------------------------------------------------- telemetry
+    def reject(self, state: WorkerState | None, err: Invalid) -> plan_pb2.Rejection:
+        self.rejections[err.reason] += 1
+        if state is not None:
+            state.rejections[err.reason] += 1
+        log.info("rejected %s: %s %s", plan_pb2.RejectReason.Name(err.reason), err.field, err.detail)
+        return err.to_proto()
+
+    def ingest(self, state: WorkerState, reports: worker_pb2.StepReports) -> list[plan_pb2.Rejection]:
+        """Apply every valid step; return a rejection for each invalid one."""
+        now = self.clock()
+        rejections = []
+        for i, step in enumerate(reports.steps):
+            try:
+                validate_step(step, state.limits, f"steps[{i}]", state.last_step_id)
+                for j, r in enumerate(step.requests):
+                    if r.request_id in state.finished_ids:
+                        raise Invalid(R.REJECT_REASON_UNKNOWN_REQUEST, f"steps[{i}].requests[{j}].request_id",
+                                      f"{r.request_id!r} already finished", step.step_id)
+            except Invalid as err:
+                rejections.append(self.reject(state, err))
+                continue
+            self._apply_step(state, step, now)
+        self._maybe_tick(now)
+        return rejections
+
+    def _apply_step(self, state: WorkerState, step: worker_pb2.StepReport, now: float) -> None:
+        limits = state.limits
+        key = state.drafter_key
+        acceptance = self.acceptance
+        edges = self.context_edges
+        counts, sums = state.context_counts, state.context_sums
+        active = state.active
+        batch_tokens = step.batch_size - len(step.requests)  # unreported requests decode one token
+        kv_tokens = 0
+        max_depth = 0
+        total_nodes = 0
+        tokens = step.batch_size - len(step.requests)
+        outcomes = []
+        for r in step.requests:
+            ctx = r.context_len
+            batch_tokens += 1 + r.nodes
+            kv_tokens += ctx
+            total_nodes += r.nodes
+            tokens += 1 + r.accepted
+            if r.depth > max_depth:
+                max_depth = r.depth
+            c = bucket_index(edges, ctx)
+            counts[c] += 1.0
+            sums[c] += ctx
+            if r.depth > 0:
+                if r.accepted_rank:
+                    ranks, cands = r.accepted_rank, r.level_candidates
+                else:  # chain shorthand
+                    reached = min(r.accepted + 1, r.depth)
+                    ranks = [1] * r.accepted + [0] * (reached - r.accepted)
+                    cands = [1] * reached
+                acceptance.observe(key, limits.max_depth, limits.max_width, ctx, ranks, cands, now)
+            if r.request_id in active:
+                active.move_to_end(r.request_id)
+            active[r.request_id] = ctx
+            outcomes.append(RequestOutcome(r.request_id, ctx, r.depth, r.width, r.nodes, r.accepted))
+        while len(active) > self.config.max_active_requests:
+            active.popitem(last=False)
+        state.cost.observe_step(batch_tokens, kv_tokens, max_depth, total_nodes, step.draft_ms, step.verify_ms)
+        state.recent_steps.append(
+            StepOutcome(step.step_id, step.timestamp, step.batch_size, step.draft_ms, step.verify_ms, tuple(outcomes))
+        )
+        state.batch_ema = step.batch_size if state.steps_ingested == 0 else (
+            (1 - LOAD_EMA) * state.batch_ema + LOAD_EMA * step.batch_size)
+        state.tokens_ema = (1 - LOAD_EMA) * state.tokens_ema + LOAD_EMA * tokens
+        state.step_ms_ema = (1 - LOAD_EMA) * state.step_ms_ema + LOAD_EMA * (step.draft_ms + step.verify_ms)
+        state.last_step_id = step.step_id
+        state.steps_ingested += 1
+        state.new_steps += 1
+        state.last_report_at = now
+        for hook in self.on_step:
+            hook(state, step)
+
+    def finished(self, state: WorkerState, msg: worker_pb2.RequestFinished) -> plan_pb2.Rejection | None:
+        try:
+            validate_finished(msg)
+            if msg.request_id not in state.active:
+                raise Invalid(R.REJECT_REASON_UNKNOWN_REQUEST, "finished.request_id",
+                              f"{msg.request_id!r} was never reported in a step (or already finished)")
+        except Invalid as err:
+            return self.reject(state, err)
+        del state.active[msg.request_id]
+        state.finished_ids[msg.request_id] = None
+        while len(state.finished_ids) > FINISHED_IDS:
+            state.finished_ids.popitem(last=False)
+        state.recent_finished.append(
+            FinishedRequest(msg.request_id, msg.steps, msg.generated_tokens, msg.accepted_tokens))
+        return None
+
+    def _maybe_tick(self, now: float) -> None:
+        if now - self._last_tick >= 1.0:
+            self.acceptance.tick(now)
+            self._last_tick = now
+
+    # ------------------------------------------------------------------ acks
+    def ack(self, state: WorkerState, msg: worker_pb2.Ack) -> plan_pb2.Rejection | None:
+        sent = state.pending.get(msg.version)
+        if sent is None or sent.nonce != msg.nonce:
+            return self.reject(state, Invalid(R.REJECT_REASON_UNKNOWN_PLAN, "ack",
+                                              f"version={msg.version} nonce={msg.nonce!r} names no plan in flight"))
+        del state.pending[msg.version]
+        if sent.kind == "plan":
+            state.acked_version = max(state.acked_version, msg.version)
+        state.plan_push_ms.append((self.clock() - sent.sent_at) * 1000.0)
+        return None
+
+    def nack(self, state: WorkerState, msg: worker_pb2.Nack) -> plan_pb2.Rejection | None:
+        sent = state.pending.pop(msg.version, None)
+        if sent is None or sent.nonce != msg.nonce:
+            return self.reject(state, Invalid(R.REJECT_REASON_UNKNOWN_PLAN, "nack",
+                                              f"version={msg.version} nonce={msg.nonce!r} names no plan in flight"))
+        state.nacks += 1
+        log.warning("worker %s refused plan %d: %s", state.worker_id, msg.version, msg.reason)
+        return None
+
+    # ----------------------------------------------------------------- plans
+    def observation(self, state: WorkerState, now: float) -> Observation:
+        limits = state.limits
+        self._fold_load(state)
+        return Observation(
+            now=now,
+            worker_id=state.worker_id,
+            drafter=limits,
+            batch_edges=self.batch_edges,
+            context_edges=self.context_edges,
+            acceptance=self.acceptance.view(state.drafter_key, limits.max_depth, limits.max_width),
+            cost=state.cost.refit(),
+            load=LoadProfile(
+                mean_batch_size=max(state.batch_ema, 1.0),
+                context_share=tuple(state.context_share) if state.context_share is not None else (),
+                context_mean=tuple(state.context_mean) if state.context_mean is not None else (),
+            ),
+            steps=tuple(state.recent_steps),
+            finished=tuple(state.recent_finished),
+            active_requests=dict(state.active),
+            max_batch_size=state.hello.max_batch_size or 256,
+        )
+
+    def _fold_load(self, state: WorkerState) -> None:
+        counts = np.asarray(state.context_counts)
+        if counts.sum() <= 0:
+            return
+        share = counts / counts.sum()
+        mean = np.divide(np.asarray(state.context_sums), counts, out=np.zeros_like(counts), where=counts > 0)
+        if state.context_share is None:
+            state.context_share, state.context_mean = share, mean
+        else:
+            w = 0.3
+            state.context_share = (1 - w) * state.context_share + w * share
+            state.context_mean = np.where(counts > 0, (1 - w) * np.where(state.context_mean > 0, state.context_mean, mean) + w * mean,
+                                          state.context_mean)
+        state.context_counts = [0.0] * len(counts)
+        state.context_sums = [0.0] * len(counts)
+
+    def run_policy(self, state: WorkerState, now: float) -> tuple[PlanDraft, Observation]:
+        obs = self.observation(state, now)
+        draft, state.policy_state = self.policy.decide(state.policy_state, obs)
+        state.recent_steps.clear()
+        state.recent_finished.clear()
+        state.new_steps = 0
+        state.last_decide_at = now
+        return draft, obs
+
+    def plan_updates(self, state: WorkerState, force: bool = False) -> list[plan_pb2.Plan | plan_pb2.RequestDecisions]:
+        """Run the policy when due and return what to push (maybe nothing).
+
+        A new table is pushed when it differs from the one in force and — for
+        model-based policies — when the estimated goodput gain clears the
+        hysteresis; never more often than ``min_push_interval_s``. Per-request
+        overrides go out as their diff.
+        """
+        now = self.clock()
+        settings = self.config.plan
+        force = force or state.force_push
+        due = state.new_steps > 0 and now - state.last_decide_at >= settings.recompute_interval_s
+        if not (force or due):
+            return []
+        if state.current is None and state.steps_ingested < settings.steps_before_first_plan and not force:
+            return []
+        draft, obs = self.run_policy(state, now)
+        state.force_push = False
+        out: list = []
+        if self._should_push_table(state, draft, obs, force):
+            state.plan_version += 1
+            nonce = secrets.token_hex(8)
+            plan = plan_to_proto(draft.table, state.plan_version, nonce, self.policy.name, now,
+                                 draft.expected_goodput_tok_s)
+            state.pending[plan.version] = SentPlan(plan.version, nonce, draft, now, "plan")
+            state.current = draft
+            state.last_push_at = now
+            out.append(plan)
+        decisions = self._override_diff(state, draft, now)
+        if decisions is not None:
+            out.append(decisions)
+        return out
+
+    def _should_push_table(self, state: WorkerState, draft: PlanDraft, obs: Observation, force: bool) -> bool:
+        if state.current is None or force:
+            return True
+        if draft.table == state.current.table:
+            return False
+        if obs.now - state.last_push_at < self.config.plan.min_push_interval_s:
+            return False
+        if not self.policy.model_based:
+            return True
+        # Both tables judged under today's estimates: the old plan's own
+        # estimate was made with yesterday's.
+        old = table_goodput(state.current.table, obs)
+        new = table_goodput(draft.table, obs)
+        return new > old * (1.0 + self.config.plan.hysteresis)
+
+    def _override_diff(self, state: WorkerState, draft: PlanDraft, now: float) -> plan_pb2.RequestDecisions | None:
+        wanted = {rid: d for rid, d in draft.overrides.items() if rid in state.active}
+        changed = {rid: d for rid, d in wanted.items() if state.sent_overrides.get(rid) != d}
+        cleared = [rid for rid in state.sent_overrides if rid not in wanted]
+        if not changed and not cleared:
+            return None
+        state.plan_version += 1
+        nonce = secrets.token_hex(8)
+        msg = plan_pb2.RequestDecisions(
+            version=state.plan_version,
+            nonce=nonce,
+            decisions=[
+                plan_pb2.RequestDecision(request_id=rid, decision=decision_to_proto(d),
+                                         reason=draft.reasons.get(rid, self.policy.name))
+                for rid, d in changed.items()
+            ],
+            cleared=cleared,
+        )
+        state.pending[msg.version] = SentPlan(msg.version, nonce, draft, now, "request_decisions")
+        state.sent_overrides = wanted
+        return msg
+
+    # ---------------------------------------------------------------- decide
+    def decide(self, state: WorkerState, request_id: str, context_len: int, batch_size: int) -> Decision:
+        override = state.sent_overrides.get(request_id)
+        if override is not None:
+            return override
+        if state.current is None:
+            state.current, _ = self.run_policy(state, self.clock())
+        return state.current.table.lookup(batch_size, context_len)
+
+    # ---------------------------------------------------------------- policy
+    def set_policy(self, policy: Policy) -> None:
+        """Swap the policy; every worker's policy state restarts and gets a new plan."""
+        self.policy = policy
+        for state in self.workers.values():
+            state.policy_state = policy.initial_state(seed=_stable_seed(state.worker_id))
+            state.last_decide_at = float("-inf")
+            state.force_push = True
+        self.policy_reloads += 1
+
+    # ---------------------------------------------------------------- status
+    def status(self, worker_id: str = "") -> controller_pb2.GetStatusResponse:
+        out = controller_pb2.GetStatusResponse(
+            policy=self.policy.name,
+            policy_reloads=self.policy_reloads,
+            policy_reload_failures=self.policy_reload_failures,
+        )
+        for reason, count in sorted(self.rejections.items()):
+            out.rejections.add(reason=reason, count=count)
+        for state in self.workers.values():
+            if worker_id and state.worker_id != worker_id:
+                continue
+            out.workers.append(self.worker_status(state))
+        return out
+
+    def worker_status(self, state: WorkerState) -> controller_pb2.WorkerStatus:
+        p = state.cost.refit()
+        ws = controller_pb2.WorkerStatus(
+            hello=state.hello,
+            connected=state.connected,
+            plan_version=state.plan_version,
+            acked_plan_version=state.acked_version,
+            nacks=state.nacks,
+            steps_ingested=state.steps_ingested,
+            last_report_at=state.last_report_at,
+            cost_model=controller_pb2.CostModel(
+                mem_ms=p.mem_ms, mem_ms_per_kv_token=p.mem_ms_per_kv_token, compute_ms=p.compute_ms,
+                compute_ms_per_token=p.compute_ms_per_token, draft_fixed_ms=p.draft_fixed_ms,
+                draft_ms_per_level=p.draft_ms_per_level, draft_ms_per_node=p.draft_ms_per_node,
+                samples=state.cost.samples, rmse_ms=state.cost.rmse_ms,
+            ),
+            mean_batch_size=state.batch_ema,
+            mean_context_len=_mean_context(state),
+            observed_goodput_tok_s=state.observed_goodput(),
+        )
+        view = self.acceptance.view(state.drafter_key, state.limits.max_depth, state.limits.max_width)
+        kind = state.hello.drafter.kind
+        for c, lo in enumerate(self.context_edges):
+            alpha = view.chain_alpha(c)
+            ws.acceptance.add(
+                drafter_kind=kind,
+                drafter_version=state.limits.version,
+                context_len_min=lo,
+                context_len_max=self.context_edges[c + 1] if c + 1 < len(self.context_edges) else 0,
+                alpha=alpha.tolist(),
+                effective_samples=view.effective_samples(c).tolist(),
+                expected_accepted_chain=expected_chain_accepted(alpha),
+            )
+        if state.current is not None:
+            ws.plan.CopyFrom(plan_to_proto(state.current.table, state.acked_version or state.plan_version, "",
+                                           self.policy.name, state.last_push_at, state.current.expected_goodput_tok_s))
+        return ws
+
+
+def _mean_context(state: WorkerState) -> float:
+    if state.context_share is None or state.context_mean is None:
+        return 0.0
+    return float(np.dot(state.context_share, state.context_mean))
+
+
+def _stable_seed(text: str) -> int:
+    return zlib.crc32(text.encode())

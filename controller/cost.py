@@ -1,0 +1,264 @@
+"""Step-cost model fitted online from one worker's own step reports.
+
+Verification follows a roofline with two planes:
+
+    verify_ms = max(mem_ms + mem_ms_per_kv_token · kv_tokens,
+                    compute_ms + compute_ms_per_token · batch_tokens)
+
+where ``batch_tokens = Σ_i (1 + nodes_i)`` is what the target forward
+processes and ``kv_tokens = Σ_i context_len_i`` what it reads from the KV
+cache. One fit covers the three regimes of design.md §3: at small batch the
+memory plane (weights) dominates and extra draft tokens are free; at large
+batch with short context the compute plane dominates and every extra token
+costs ``compute_ms_per_token``; at large batch with long context the KV term
+lifts the memory plane back above the compute plane and speculation is cheap
+again.
+
+Drafting is linear: ``draft_ms = draft_fixed_ms·[any speculation] +
+draft_ms_per_level·max_depth + draft_ms_per_node·Σ nodes``.
+
+Memory is bounded: verify observations land in a fixed grid of cells over
+(log2 batch_tokens, log2 kv_tokens), each keeping decayed weighted sums; the
+draft model keeps 3×3 normal-equation sums. Nothing grows with traffic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+from scipy.optimize import nnls
+
+BATCH_BITS = 14  # batch tokens up to 16k per step
+KV_BITS = 30  # KV tokens up to 1G per step
+
+
+@dataclass(frozen=True)
+class CostParams:
+    mem_ms: float = 10.0
+    mem_ms_per_kv_token: float = 0.0
+    compute_ms: float = 0.0
+    compute_ms_per_token: float = 0.0
+    draft_fixed_ms: float = 0.0
+    draft_ms_per_level: float = 0.5
+    draft_ms_per_node: float = 0.0
+
+    @classmethod
+    def from_hardware(
+        cls,
+        bandwidth_gb_s: float,
+        peak_tflops: float,
+        weight_bytes: float,
+        kv_bytes_per_token: float,
+        params: float,
+        overhead_ms: float = 1.0,
+    ) -> "CostParams":
+        """Roofline prior from a worker's hardware hints (zeros = unknown)."""
+        if bandwidth_gb_s <= 0 or weight_bytes <= 0:
+            return cls()
+        bytes_per_ms = bandwidth_gb_s * 1e6
+        flops_per_ms = peak_tflops * 1e9 if peak_tflops > 0 else 0.0
+        return cls(
+            mem_ms=overhead_ms + weight_bytes / bytes_per_ms,
+            mem_ms_per_kv_token=kv_bytes_per_token / bytes_per_ms,
+            compute_ms=overhead_ms,
+            compute_ms_per_token=(2.0 * params / flops_per_ms) if flops_per_ms and params else 0.0,
+            draft_fixed_ms=overhead_ms * 0.2,
+            draft_ms_per_level=0.05 * weight_bytes / bytes_per_ms,
+            draft_ms_per_node=0.0,
+        )
+
+    def verify_ms(self, batch_tokens, kv_tokens):
+        mem = self.mem_ms + self.mem_ms_per_kv_token * np.asarray(kv_tokens, dtype=float)
+        comp = self.compute_ms + self.compute_ms_per_token * np.asarray(batch_tokens, dtype=float)
+        out = np.maximum(mem, comp)
+        return float(out) if out.ndim == 0 else out
+
+    def draft_ms(self, max_depth, total_nodes, batch_size=None):
+        """Draft time of a step whose deepest request drafts ``max_depth``
+        levels and whose requests draft ``total_nodes`` nodes in all."""
+        depth = np.asarray(max_depth, dtype=float)
+        out = (
+            np.where(depth > 0, self.draft_fixed_ms, 0.0)
+            + self.draft_ms_per_level * depth
+            + self.draft_ms_per_node * np.asarray(total_nodes, dtype=float)
+        )
+        return float(out) if out.ndim == 0 else out
+
+
+# Internal scaling keeps the least-squares problems well conditioned.
+_N_SCALE = 1e3
+_KV_SCALE = 1e6
+
+
+def fit_max_planes(
+    batch_tokens: np.ndarray,
+    kv_tokens: np.ndarray,
+    verify_ms: np.ndarray,
+    weights: np.ndarray,
+    prior: CostParams,
+    prior_weight: float,
+    iterations: int = 25,
+) -> CostParams:
+    """Fit ``max(mem plane, compute plane)`` by alternating assignment.
+
+    Each point is assigned to the plane that currently predicts the larger
+    time, then each plane is refitted by non-negative weighted least squares
+    on its points, ridge-pulled toward ``prior`` (which alone decides a plane
+    that no point supports). Several starts; the lowest weighted SSE wins.
+    """
+    n = batch_tokens / _N_SCALE
+    kv = kv_tokens / _KV_SCALE
+    sw = np.sqrt(weights)
+    prior_mem = np.array([prior.mem_ms, prior.mem_ms_per_kv_token * _KV_SCALE])
+    prior_comp = np.array([prior.compute_ms, prior.compute_ms_per_token * _N_SCALE])
+    ridge = math.sqrt(prior_weight)
+
+    def solve(x: np.ndarray, mask: np.ndarray, prior_vec: np.ndarray) -> np.ndarray:
+        design = np.column_stack([np.ones(mask.sum()), x[mask]]) * sw[mask, None]
+        target = verify_ms[mask] * sw[mask]
+        design = np.vstack([design, ridge * np.eye(2)])
+        target = np.concatenate([target, ridge * prior_vec])
+        return nnls(design, target)[0]
+
+    def sse(mem: np.ndarray, comp: np.ndarray) -> float:
+        pred = np.maximum(mem[0] + mem[1] * kv, comp[0] + comp[1] * n)
+        return float(np.sum(weights * (pred - verify_ms) ** 2))
+
+    starts = [np.zeros(len(n), dtype=bool), n > np.median(n), prior_comp[0] + prior_comp[1] * n > prior_mem[0] + prior_mem[1] * kv]
+    best: tuple[float, np.ndarray, np.ndarray] | None = None
+    for mask in starts:
+        mem, comp = prior_mem, prior_comp
+        for _ in range(iterations):
+            mem = solve(kv, ~mask, prior_mem)
+            comp = solve(n, mask, prior_comp)
+            new_mask = comp[0] + comp[1] * n > mem[0] + mem[1] * kv
+            if np.array_equal(new_mask, mask):
+                break
+            mask = new_mask
+        err = sse(mem, comp)
+        if best is None or err < best[0]:
+            best = (err, mem, comp)
+    _, mem, comp = best
+    return replace(
+        prior,
+        mem_ms=float(mem[0]),
+        mem_ms_per_kv_token=float(mem[1] / _KV_SCALE),
+        compute_ms=float(comp[0]),
+        compute_ms_per_token=float(comp[1] / _N_SCALE),
+    )
+
+
+class StepCostModel:
+    """Online fit of one worker's step cost.
+
+    Parameters
+    ----------
+    prior : starting parameters (e.g. ``CostParams.from_hardware``).
+    prior_weight : ridge weight pulling each plane toward the prior; it decides
+        a plane no data supports and is negligible once data arrives.
+    max_cell_weight : evidence cap per grid cell; older evidence is scaled
+        down when a cell exceeds it, so the fit follows a worker that changes.
+
+    Examples
+    --------
+    >>> truth = CostParams(mem_ms=8.0, mem_ms_per_kv_token=4e-5, compute_ms=1.0, compute_ms_per_token=0.02)
+    >>> model = StepCostModel(prior=CostParams(mem_ms=5.0))
+    >>> for b in (1, 4, 16, 64, 256, 1024, 2048):
+    ...     for kv in (1_000, 100_000, 1_000_000):
+    ...         model.observe_verify(b, kv, truth.verify_ms(b, kv))
+    >>> fitted = model.refit()
+    >>> round(fitted.mem_ms, 1), round(fitted.compute_ms_per_token, 3)
+    (8.0, 0.02)
+    """
+
+    def __init__(self, prior: CostParams = CostParams(), prior_weight: float = 1e-3, max_cell_weight: float = 500.0):
+        if prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+        if max_cell_weight <= 0:
+            raise ValueError(f"max_cell_weight must be > 0, got {max_cell_weight}")
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.max_cell_weight = max_cell_weight
+        cells = BATCH_BITS * KV_BITS
+        # Per cell: weight, Σw·N, Σw·KV, Σw·T, Σw·T² (plain lists: hot path).
+        self._w = [0.0] * cells
+        self._n = [0.0] * cells
+        self._kv = [0.0] * cells
+        self._t = [0.0] * cells
+        self._t2 = [0.0] * cells
+        # Draft model normal equations over features [spec, max_depth, nodes].
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._draft_weight = 0.0
+        self.samples = 0
+        self.params = prior
+        self.rmse_ms = 0.0
+
+    def observe_verify(self, batch_tokens: int, kv_tokens: int, verify_ms: float) -> None:
+        b = min(int(batch_tokens).bit_length(), BATCH_BITS - 1)
+        k = min(int(kv_tokens).bit_length(), KV_BITS - 1)
+        cell = b * KV_BITS + k
+        w = self._w[cell]
+        if w >= self.max_cell_weight:
+            scale = (self.max_cell_weight - 1.0) / w
+            self._w[cell] = w * scale
+            self._n[cell] *= scale
+            self._kv[cell] *= scale
+            self._t[cell] *= scale
+            self._t2[cell] *= scale
+        self._w[cell] += 1.0
+        self._n[cell] += batch_tokens
+        self._kv[cell] += kv_tokens
+        self._t[cell] += verify_ms
+        self._t2[cell] += verify_ms * verify_ms
+        self.samples += 1
+
+    def observe_draft(self, max_depth: int, total_nodes: int, draft_ms: float) -> None:
+        x = np.array([1.0 if max_depth > 0 else 0.0, float(max_depth), float(total_nodes)])
+        if self._draft_weight >= self.max_cell_weight * 4:
+            self._xtx *= 0.999
+            self._xty *= 0.999
+            self._draft_weight *= 0.999
+        self._xtx += np.outer(x, x)
+        self._xty += x * draft_ms
+        self._draft_weight += 1.0
+
+    def observe_step(self, batch_tokens: int, kv_tokens: int, max_depth: int, total_nodes: int,
+                     draft_ms: float, verify_ms: float) -> None:
+        self.observe_verify(batch_tokens, kv_tokens, verify_ms)
+        self.observe_draft(max_depth, total_nodes, draft_ms)
+
+    def refit(self) -> CostParams:
+        w = np.asarray(self._w)
+        used = np.flatnonzero(w > 0)
+        params = self.prior
+        if used.size:
+            weights = w[used]
+            n = np.asarray(self._n)[used] / weights
+            kv = np.asarray(self._kv)[used] / weights
+            t = np.asarray(self._t)[used] / weights
+            params = fit_max_planes(n, kv, t, weights, self.prior, self.prior_weight)
+            # RMSE over every observation: within-cell spread plus fit error.
+            t2 = np.asarray(self._t2)[used] / weights
+            pred = params.verify_ms(n, kv)
+            mse = np.sum(weights * (t2 - 2 * t * pred + pred**2)) / weights.sum()
+            self.rmse_ms = float(math.sqrt(max(mse, 0.0)))
+        params = self._fit_draft(params)
+        self.params = params
+        return params
+
+    def _fit_draft(self, params: CostParams) -> CostParams:
+        if self._draft_weight == 0:
+            return params
+        prior = np.array([self.prior.draft_fixed_ms, self.prior.draft_ms_per_level, self.prior.draft_ms_per_node])
+        lam = self.prior_weight
+        # min ||A θ - y||² + λ||θ - θ0||² with θ ≥ 0, via a Cholesky factor of
+        # the regularised normal equations.
+        gram = self._xtx + lam * np.eye(3)
+        factor = np.linalg.cholesky(gram)
+        rhs = np.linalg.solve(factor, self._xty + lam * prior)
+        theta = nnls(factor.T, rhs)[0]
+        return replace(params, draft_fixed_ms=float(theta[0]), draft_ms_per_level=float(theta[1]),
+                       draft_ms_per_node=float(theta[2]))

@@ -1,0 +1,225 @@
+"""The gRPC servicer: thin glue between the network and ``Controller``.
+
+Each Connect stream gets a bounded send queue; when a worker reads too
+slowly the oldest queued message is dropped (a newer plan supersedes an
+older one, and rejections are counted anyway), so one stuck stream never
+holds up another worker's plans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from controller.core import Controller, WorkerState
+from controller.protocol import Invalid, R, decision_to_proto
+from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
+
+log = logging.getLogger("specctl.service")
+SERVICE_NAME = "speculation.v1.SpeculationController"
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Stands in for a message whose bytes did not parse."""
+
+    error: str
+
+
+def lenient_parser(message_type):
+    """A deserializer that returns ``Malformed`` instead of raising, so the
+    servicer can reject, count and keep the stream (gRPC's default would end
+    the call with INTERNAL before any of our code runs)."""
+
+    def parse(data: bytes):
+        msg = message_type()
+        try:
+            msg.ParseFromString(data)
+        except Exception as err:  # noqa: BLE001 - any parse failure is a malformed message
+            return Malformed(f"{type(err).__name__}: {err}")
+        return msg
+
+    return parse
+
+
+class Stream:
+    """One connected worker's outbound side."""
+
+    def __init__(self, state: WorkerState, maxsize: int) -> None:
+        self.state = state
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
+        self.dropped = 0
+
+    def send(self, msg: plan_pb2.ControllerMessage | None) -> None:
+        while True:
+            try:
+                self.queue.put_nowait(msg)
+                return
+            except asyncio.QueueFull:
+                self.queue.get_nowait()
+                self.dropped += 1
+
+
+def wrap(item) -> plan_pb2.ControllerMessage:
+    if isinstance(item, plan_pb2.Plan):
+        return plan_pb2.ControllerMessage(plan=item)
+    if isinstance(item, plan_pb2.RequestDecisions):
+        return plan_pb2.ControllerMessage(request_decisions=item)
+    return plan_pb2.ControllerMessage(rejection=item)
+
+
+class SpeculationControllerServicer:
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self.streams: dict[str, Stream] = {}
+
+    # ------------------------------------------------------------- Connect
+    async def Connect(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
+        ctl = self.controller
+        first = await _next(request_iterator)
+        if first is None:
+            return
+        if isinstance(first, Malformed) or first.WhichOneof("payload") != "hello":
+            reason = R.REJECT_REASON_MALFORMED if isinstance(first, Malformed) else R.REJECT_REASON_NO_HELLO
+            what = first.error if isinstance(first, Malformed) else f"got {first.WhichOneof('payload')}"
+            ctl.rejections[reason] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first message must be a hello ({what})")
+        try:
+            state = ctl.hello(first.hello)
+        except Invalid as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err.field}: {err.detail}")
+        stream = Stream(state, ctl.config.send_queue_size)
+        previous = self.streams.get(state.worker_id)
+        if previous is not None:
+            previous.send(None)  # a reconnect supersedes the old stream
+        self.streams[state.worker_id] = stream
+        reader = asyncio.create_task(self._read(request_iterator, stream))
+        try:
+            self._push_plans(stream)
+            while True:
+                item = await stream.queue.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            reader.cancel()
+            if self.streams.get(state.worker_id) is stream:
+                del self.streams[state.worker_id]
+                ctl.disconnect(state)
+
+    async def _read(self, request_iterator: AsyncIterator, stream: Stream) -> None:
+        state = stream.state
+        try:
+            async for msg in request_iterator:
+                for rejection in self.handle(state, msg):
+                    stream.send(wrap(rejection))
+                self._push_plans(stream)
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            stream.send(None)
+
+    def handle(self, state: WorkerState, msg) -> list[plan_pb2.Rejection]:
+        ctl = self.controller
+        if isinstance(msg, Malformed):
+            return [ctl.reject(state, Invalid(R.REJECT_REASON_MALFORMED, "<message>", msg.error))]
+        kind = msg.WhichOneof("payload")
+        if kind == "reports":
+            return ctl.ingest(state, msg.reports)
+        if kind == "finished":
+            rejection = ctl.finished(state, msg.finished)
+        elif kind == "ack":
+            rejection = ctl.ack(state, msg.ack)
+        elif kind == "nack":
+            rejection = ctl.nack(state, msg.nack)
+        elif kind == "hello":
+            try:
+                ctl.hello(msg.hello)
+                rejection = None
+            except Invalid as err:
+                rejection = err.to_proto()
+        else:
+            rejection = ctl.reject(state, Invalid(R.REJECT_REASON_MALFORMED, "payload", "empty WorkerMessage"))
+        return [rejection] if rejection is not None else []
+
+    def _push_plans(self, stream: Stream) -> None:
+        for item in self.controller.plan_updates(stream.state):
+            stream.send(wrap(item))
+
+    def push_due_plans(self) -> None:
+        """Called periodically: pushes forced plans (e.g. after a policy reload)."""
+        for stream in list(self.streams.values()):
+            self._push_plans(stream)
+
+    # -------------------------------------------------------------- Decide
+    async def Decide(self, request, context: grpc.aio.ServicerContext) -> controller_pb2.DecideResponse:
+        ctl = self.controller
+        if isinstance(request, Malformed):
+            ctl.rejections[R.REJECT_REASON_MALFORMED] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed DecideRequest: {request.error}")
+        if not request.worker_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id: must be a non-empty string")
+        if request.HasField("hello"):
+            if request.hello.worker_id != request.worker_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"hello.worker_id={request.hello.worker_id!r} differs from worker_id={request.worker_id!r}")
+            try:
+                ctl.hello(request.hello)
+            except Invalid as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err.field}: {err.detail}")
+        state = ctl.workers.get(request.worker_id)
+        if state is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"worker_id={request.worker_id!r} is unknown: include its hello in the first Decide")
+        response = controller_pb2.DecideResponse()
+        if request.HasField("reports"):
+            response.rejections.extend(ctl.ingest(state, request.reports))
+            updates = ctl.plan_updates(state)
+            for item in updates:  # a unary caller has no stream to ACK on: it applies what it is answered
+                ctl.ack(state, worker_pb2.Ack(version=item.version, nonce=item.nonce))
+        for i, q in enumerate(request.queries):
+            if q.batch_size < 1 or q.context_len < 0:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"queries[{i}]: batch_size={q.batch_size}, context_len={q.context_len} out of range")
+            d = ctl.decide(state, q.request_id, q.context_len, q.batch_size)
+            response.decisions.append(decision_to_proto(d))
+        response.plan_version = state.acked_version
+        return response
+
+    # ----------------------------------------------------------- GetStatus
+    async def GetStatus(self, request, context: grpc.aio.ServicerContext) -> controller_pb2.GetStatusResponse:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GetStatusRequest: {request.error}")
+        return self.controller.status(request.worker_id)
+
+
+async def _next(iterator: AsyncIterator):
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def rpc_handlers(servicer: SpeculationControllerServicer) -> grpc.GenericRpcHandler:
+    handlers = {
+        "Connect": grpc.stream_stream_rpc_method_handler(
+            servicer.Connect,
+            request_deserializer=lenient_parser(worker_pb2.WorkerMessage),
+            response_serializer=plan_pb2.ControllerMessage.SerializeToString,
+        ),
+        "Decide": grpc.unary_unary_rpc_method_handler(
+            servicer.Decide,
+            request_deserializer=lenient_parser(controller_pb2.DecideRequest),
+            response_serializer=controller_pb2.DecideResponse.SerializeToString,
+        ),
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStatus,
+            request_deserializer=lenient_parser(controller_pb2.GetStatusRequest),
+            response_serializer=controller_pb2.GetStatusResponse.SerializeToString,
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

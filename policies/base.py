@@ -1,0 +1,227 @@
+"""The policy interface: observed state in, decisions out.
+
+A policy is a pure function ``decide(state, observation) -> (PlanDraft, state)``.
+Its own memory (EMAs, bandit counts, off-for-good flags, its random generator)
+lives in the ``state`` value it returns and is handed back on the next call,
+so a recorded sequence of observations replays to the same decisions offline.
+Policies never import the controller: the controller builds an
+:class:`Observation` from its telemetry store and models, and turns the
+returned :class:`PlanDraft` into protocol messages.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Mapping, Protocol, Sequence, TypeVar
+
+import numpy as np
+
+from policies.table import Decision, DecisionTable
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterLimits:
+    """What the worker's drafter can produce (from its Hello)."""
+
+    kind: str = "eagle"
+    version: str = ""
+    max_depth: int = 8
+    max_width: int = 4
+    max_tree_nodes: int = 32
+    trained_context_len: int = 0
+
+    def clamp(self, decision: Decision) -> Decision:
+        return decision.clamp(self.max_depth, self.max_width, self.max_tree_nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """One request's part of one step."""
+
+    request_id: str
+    context_len: int
+    depth: int
+    width: int
+    nodes: int
+    accepted: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """One engine step as the worker reported it."""
+
+    step_id: int
+    timestamp: float
+    batch_size: int
+    draft_ms: float
+    verify_ms: float
+    requests: tuple[RequestOutcome, ...]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens emitted by the step: Σ (τ + 1)."""
+        return sum(r.accepted + 1 for r in self.requests)
+
+    @property
+    def step_ms(self) -> float:
+        return self.draft_ms + self.verify_ms
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    request_id: str
+    steps: int
+    generated_tokens: int
+    accepted_tokens: int
+
+    @property
+    def accepted_per_step(self) -> float:
+        return self.accepted_tokens / self.steps if self.steps else 0.0
+
+
+class AcceptanceEstimate(Protocol):
+    """Acceptance of the worker's drafter version, per context bucket.
+
+    ``rank_probs(c)[k, r]`` is q_{k+1, r+1}: the probability that the rank-(r+1)
+    candidate at position k+1 is the accepted one, given positions 1..k were
+    accepted. Σ_r q_{k,r} ≤ 1; a chain's α_k is ``rank_probs(c)[k-1, 0]``.
+    """
+
+    context_edges: tuple[int, ...]
+    max_depth: int
+    max_width: int
+
+    def rank_probs(self, context_bucket: int) -> np.ndarray:  # [depth, width]
+        ...
+
+    def sample_rank_probs(self, context_bucket: int, rng: np.random.Generator) -> np.ndarray:  # [depth, width]
+        ...
+
+    def effective_samples(self, context_bucket: int) -> np.ndarray:  # [depth]
+        ...
+
+
+class CostEstimate(Protocol):
+    """Fitted step-time model of one worker (milliseconds).
+
+    ``verify_ms``: the target forward over ``batch_tokens`` (Σ 1 + nodes)
+    reading ``kv_tokens`` (Σ context lengths). ``draft_ms``: drafting for a
+    step whose deepest request drafts ``depth`` levels and whose requests
+    draft ``nodes`` nodes in all.
+    """
+
+    def verify_ms(self, batch_tokens: np.ndarray | float, kv_tokens: np.ndarray | float) -> np.ndarray | float:
+        ...
+
+    def draft_ms(
+        self, depth: np.ndarray | float, nodes: np.ndarray | float, batch_size: np.ndarray | float
+    ) -> np.ndarray | float:
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProfile:
+    """The worker's recent load: batch sizes and context-length mix."""
+
+    mean_batch_size: float = 1.0
+    # Share of request-steps per context bucket (sums to 1) and the mean
+    # context length inside each bucket (tokens).
+    context_share: tuple[float, ...] = ()
+    context_mean: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything a policy may look at for one worker at one decision time."""
+
+    now: float
+    worker_id: str
+    drafter: DrafterLimits
+    batch_edges: tuple[int, ...]
+    context_edges: tuple[int, ...]
+    acceptance: AcceptanceEstimate
+    cost: CostEstimate
+    load: LoadProfile
+    # Steps and finished requests since the previous decide() of this worker.
+    steps: tuple[StepOutcome, ...] = ()
+    finished: tuple[FinishedRequest, ...] = ()
+    # Requests in flight right now (ids seen in steps and not finished).
+    active_requests: Mapping[str, int] = field(default_factory=dict)  # id -> context_len
+    max_batch_size: int = 256
+
+
+@dataclass(frozen=True)
+class PlanDraft:
+    """A policy's answer: the table for every request, plus per-request
+    overrides (the complete set wanted now; the controller sends the diff)."""
+
+    table: DecisionTable
+    overrides: Mapping[str, Decision] = field(default_factory=dict)
+    expected_goodput_tok_s: float = 0.0
+    reasons: Mapping[str, str] = field(default_factory=dict)  # request_id -> why overridden
+
+
+ConfigT = TypeVar("ConfigT")
+
+
+class Policy(ABC, Generic[ConfigT]):
+    """Base class: configuration in ``__init__``, pure ``decide``."""
+
+    name: str = "policy"
+    # Model-based policies are judged by estimated goodput before a new plan
+    # is pushed (hysteresis); rule-based ones push whenever their rule says.
+    model_based: bool = False
+
+    def __init__(self, config: ConfigT) -> None:
+        self.config = config
+
+    @abstractmethod
+    def initial_state(self, seed: int = 0) -> Any:
+        """The state ``decide`` receives on its first call for a worker."""
+
+    @abstractmethod
+    def decide(self, state: Any, obs: Observation) -> tuple[PlanDraft, Any]:
+        """Return the plan for ``obs`` and the state for the next call.
+
+        Must not mutate ``state`` in place nor keep anything on ``self``:
+        replaying the same observations from ``initial_state`` gives the same
+        plans.
+        """
+
+
+def uniform_plan(decision: Decision, obs: Observation) -> DecisionTable:
+    """A table with one decision everywhere, cut to the drafter's limits."""
+    return DecisionTable.uniform(obs.drafter.clamp(decision), obs.batch_edges, obs.context_edges)
+
+
+def per_batch_plan(
+    decide_for_batch: Callable[[int], Decision], obs: Observation, breakpoints: Sequence[int] = ()
+) -> DecisionTable:
+    """A table whose rows depend on batch size only (the engines' tables).
+
+    ``breakpoints`` are the batch sizes where the policy's answer may change;
+    they become bucket edges so every batch size in a bucket gets exactly the
+    decision the engine would give it. Each row is decided at its lower edge.
+    """
+    edges = tuple(sorted(set(obs.batch_edges) | {int(b) for b in breakpoints if b >= 1}))
+    rows = [(obs.drafter.clamp(decide_for_batch(lower)),) * len(obs.context_edges) for lower in edges]
+    return DecisionTable.from_rows(rows, edges, obs.context_edges)
+
+
+__all__: Sequence[str] = (
+    "AcceptanceEstimate",
+    "CostEstimate",
+    "Decision",
+    "DecisionTable",
+    "DrafterLimits",
+    "FinishedRequest",
+    "LoadProfile",
+    "Observation",
+    "PlanDraft",
+    "Policy",
+    "RequestOutcome",
+    "StepOutcome",
+    "per_batch_plan",
+    "uniform_plan",
+)

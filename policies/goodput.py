@@ -1,0 +1,335 @@
+"""The goodput policy: per-request depth, width and on/off that maximise
+tokens emitted per second of step time.
+
+Objective (SmartSpec): for a batch of requests ``i`` choose draft trees to
+maximise
+
+    G = Σ_i E[τ_i + 1] / (T_verify(batch_tokens, kv_tokens) + T_draft)
+
+Tree value (EAGLE-2, OPT-Tree): a draft node's value is the probability that
+the target accepts it, i.e. the product of the acceptance probabilities of
+the ranks along its path, and ``E[τ]`` of a tree is the sum of its nodes'
+values. Under a node budget, taking nodes best-first by value maximises
+``E[τ]`` (a child never beats its parent, so best-first yields valid trees).
+
+Batch allocation (TETRIS): rank every candidate node of every request in the
+batch by value and keep the best prefix — the one with the highest ``G``
+under the worker's fitted cost model. When the batch is memory-bound extra
+nodes are almost free and the prefix runs long; when it is compute-bound each
+node costs ``compute_ms_per_token`` and only high-value nodes survive, often
+none: speculation off. Context length enters twice: acceptance is estimated
+per context bucket, and KV tokens lift the memory plane at long context.
+
+The table has one row per batch-size bucket, each solved on a
+representative batch whose context mix is the worker's observed mix (blended
+with a little of every bucket so every cell is solved). Exploration is
+Thompson sampling on a deterministic slice of requests: their decisions come
+from a posterior sample instead of the mean, so an option that looks bad —
+speculation that was switched off — keeps being re-tested, and forgetting in
+the acceptance model widens the posterior while it is not observed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.base import Observation, PlanDraft, Policy
+from policies.table import Decision, DecisionTable, bucket_index
+
+
+class GoodputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_depth: int = Field(0, ge=0, le=64, description="cap on depth; 0 = the drafter's max_depth")
+    max_width: int = Field(0, ge=0, le=64, description="cap on width; 0 = the drafter's max_width")
+    max_nodes: int = Field(0, ge=0, le=1024, description="cap on nodes per request; 0 = the drafter's max_tree_nodes")
+    probe_fraction: float = Field(0.05, ge=0.0, le=1.0, description="share of requests decided from a posterior sample")
+    min_share: float = Field(
+        0.01, ge=0.0, le=1.0,
+        description="context buckets below this share of traffic are decided by the batch's marginal node price",
+    )
+    min_gain: float = Field(0.01, ge=0.0, le=1.0, description="relative goodput gain speculation must bring over off")
+    seed: int = Field(0, ge=0)
+
+
+@dataclass(frozen=True)
+class NodeList:
+    """Best-first draft nodes of one request: ``values[j]`` is the j-th best
+    node's acceptance probability; a prefix of ``m`` nodes forms a tree of
+    depth ``depth[m]`` and width ``width[m]``."""
+
+    values: np.ndarray  # [nodes]
+    depth: np.ndarray  # [nodes + 1]
+    width: np.ndarray  # [nodes + 1]
+
+    def decision(self, m: int) -> Decision:
+        return Decision(int(self.depth[m]), int(self.width[m]), m) if m > 0 else Decision.off()
+
+    def expected_accepted(self, m: int) -> float:
+        return float(self.values[:m].sum())
+
+
+def best_first_nodes(rank_probs: np.ndarray, max_depth: int, max_width: int, max_nodes: int) -> NodeList:
+    """Expand the draft tree best-first by path acceptance probability.
+
+    ``rank_probs[k, r]``: probability that the rank-``r`` candidate at
+    position ``k`` is accepted given the path so far was (conditional
+    independence across positions, as in EAGLE-2's value estimate).
+
+    >>> nodes = best_first_nodes(np.array([[0.6, 0.3], [0.5, 0.2]]), 2, 2, 4)
+    >>> [round(float(v), 2) for v in nodes.values], nodes.decision(2)
+    ([0.6, 0.3, 0.3, 0.15], Decision(depth=1, width=2, max_nodes=2))
+    """
+    depth_cap = min(max_depth, rank_probs.shape[0])
+    width_cap = min(max_width, rank_probs.shape[1])
+    values: list[float] = []
+    depth = [0]
+    width = [0]
+    children: dict[int, int] = {}  # node id -> children taken so far (-1 = root)
+    # Heap of (-value, tiebreak, level, rank, parent id); ranks of one parent are
+    # pushed lazily: a parent's rank r+1 child enters once rank r is taken.
+    heap: list[tuple[float, int, int, int, int]] = []
+    counter = 0
+
+    def push(value: float, level: int, rank: int, parent: int) -> None:
+        nonlocal counter
+        if level < depth_cap and rank < width_cap and value > 0:
+            heapq.heappush(heap, (-value * rank_probs[level, rank], counter, level, rank, parent))
+            counter += 1
+
+    parent_value: dict[int, float] = {-1: 1.0}
+    push(1.0, 0, 0, -1)
+    while heap and len(values) < max_nodes:
+        neg, _, level, rank, parent = heapq.heappop(heap)
+        node = len(values)
+        values.append(-neg)
+        parent_value[node] = -neg
+        children[parent] = children.get(parent, 0) + 1
+        depth.append(max(depth[-1], level + 1))
+        width.append(max(width[-1], children[parent]))
+        push(parent_value[parent], level, rank + 1, parent)  # next sibling
+        push(-neg, level + 1, 0, node)  # first child
+    return NodeList(np.asarray(values), np.asarray(depth), np.asarray(width))
+
+
+@dataclass(frozen=True)
+class BatchGroup:
+    """Requests of a representative batch that share a context bucket."""
+
+    count: float  # requests (fractional: a share of the batch)
+    context_len: float  # tokens each
+    nodes: NodeList
+
+
+@dataclass(frozen=True)
+class Allocation:
+    nodes_per_group: tuple[int, ...]
+    goodput_tok_s: float
+    goodput_off_tok_s: float
+
+
+def expected_max_depth(depths: np.ndarray, shares: np.ndarray, batch: float) -> np.ndarray:
+    """E[deepest draft in a batch] when ``batch`` requests are drawn from
+    groups with these ``shares`` and per-group ``depths`` (``[..., groups]``).
+
+    Drafting runs level by level for the whole batch, so a step pays draft
+    levels up to its deepest request: one request pays its own depth, a large
+    batch pays the deepest group's. ``E[max] = Σ_d 1 − P(all depths < d)``.
+
+    >>> expected_max_depth(np.array([4, 0]), np.array([0.5, 0.5]), 1.0).item()
+    2.0
+    >>> round(expected_max_depth(np.array([4, 0]), np.array([0.5, 0.5]), 16.0).item(), 3)
+    4.0
+    """
+    depths = np.asarray(depths)
+    n = max(batch, 1.0)
+    out = np.zeros(depths.shape[:-1])
+    for d in range(1, int(depths.max(initial=0)) + 1):
+        below = (depths < d) @ shares  # P(one request drafts fewer than d levels)
+        out += 1.0 - below**n
+    return out
+
+
+def allocate(groups: Sequence[BatchGroup], cost, min_gain: float = 0.0) -> Allocation:
+    """TETRIS-style allocation: best prefix of all nodes ranked by value.
+
+    Every group's node list is non-increasing, so a prefix of the merged
+    ranking takes a prefix of each group's list — a valid tree per request.
+    Groups with no requests take no nodes.
+    """
+    live = [i for i, g in enumerate(groups) if g.count > 0]
+    groups_live = [groups[i] for i in live]
+    batch = sum(g.count for g in groups_live)
+    kv = sum(g.count * g.context_len for g in groups_live)
+    counts = np.array([g.count for g in groups_live])
+    if not groups_live:
+        return Allocation((0,) * len(groups), 0.0, 0.0)
+    values = np.concatenate([g.nodes.values for g in groups_live])
+    group_of = np.concatenate([np.full(len(g.nodes.values), i) for i, g in enumerate(groups_live)]).astype(int)
+    order = np.lexsort((np.arange(len(values)), -values))  # by value, stable within a group
+    weight = counts[group_of[order]]  # [candidates]: requests each candidate stands for
+    gained = np.concatenate([[0.0], np.cumsum(weight * values[order])])  # [candidates + 1]
+    extra = np.concatenate([[0.0], np.cumsum(weight)])
+    # taken[p, g]: nodes group g holds in prefix p.  # [candidates + 1, groups]
+    onehot = np.zeros((len(order), len(groups_live)), dtype=int)
+    onehot[np.arange(len(order)), group_of[order]] = 1
+    taken = np.vstack([np.zeros((1, len(groups_live)), dtype=int), np.cumsum(onehot, axis=0)])
+    depths = np.stack([g.nodes.depth[taken[:, i]] for i, g in enumerate(groups_live)], axis=1)
+    levels = expected_max_depth(depths, counts / batch, batch)
+    step_ms = cost.verify_ms(batch + extra, kv) + cost.draft_ms(levels, extra, batch)
+    goodput = (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0  # tokens per second
+    best = int(np.argmax(goodput))
+    if goodput[best] < goodput[0] * (1.0 + min_gain):
+        best = 0
+    nodes = [0] * len(groups)
+    for i, n in zip(live, taken[best]):
+        nodes[i] = int(n)
+    return Allocation(tuple(nodes), float(goodput[best]), float(goodput[0]))
+
+
+def representative_batch_size(edges: Sequence[int], bucket: int) -> float:
+    """Geometric middle of a batch bucket (its lower edge for the last one)."""
+    lo = edges[bucket]
+    if bucket + 1 >= len(edges):
+        return float(lo)
+    return math.sqrt(lo * (edges[bucket + 1] - 1))
+
+
+def representative_context(edges: Sequence[int], bucket: int) -> float:
+    lo = edges[bucket]
+    hi = edges[bucket + 1] if bucket + 1 < len(edges) else 2 * max(lo, 1)
+    return (lo + hi) / 2.0
+
+
+def observed_mix(obs: Observation) -> tuple[np.ndarray, np.ndarray]:
+    """(share, mean context) per context bucket from the worker's load profile.
+
+    A worker with no traffic yet is assumed to serve the first bucket;
+    buckets never observed get their midpoint as mean context.
+    """
+    n = len(obs.context_edges)
+    share = np.asarray(obs.load.context_share, dtype=float)
+    if share.shape != (n,) or share.sum() <= 0:
+        share = np.eye(n)[0]
+    means = np.array([representative_context(obs.context_edges, c) for c in range(n)])
+    observed = np.asarray(obs.load.context_mean, dtype=float)
+    if observed.shape == (n,):
+        means = np.where(observed > 0, observed, means)
+    return share / share.sum(), means
+
+
+def table_goodput(table: DecisionTable, obs: Observation) -> float:
+    """Estimated tokens per second of ``table`` at the worker's current load
+    (a batch of the mean batch size drawn from the observed context mix)."""
+    batch = max(1.0, obs.load.mean_batch_size)
+    share, means = observed_mix(obs)
+    tokens, nodes_total = batch, 0.0
+    depths = np.zeros(len(share))
+    for c in np.flatnonzero(share):
+        d = table.lookup(max(1, round(batch)), obs.context_edges[c])
+        if d.depth == 0:
+            continue
+        nodes = best_first_nodes(obs.acceptance.rank_probs(c), d.depth, d.width, d.max_nodes)
+        tokens += batch * share[c] * nodes.expected_accepted(d.max_nodes)
+        nodes_total += batch * share[c] * len(nodes.values)
+        depths[c] = nodes.depth[-1]
+    kv = batch * float(np.dot(share, means))
+    levels = expected_max_depth(depths, share, batch)
+    step_ms = obs.cost.verify_ms(batch + nodes_total, kv) + obs.cost.draft_ms(levels, nodes_total, batch)
+    return 1000.0 * tokens / max(float(step_ms), 1e-9)
+
+
+class GoodputPolicy(Policy[GoodputConfig]):
+    name = "goodput"
+    model_based = True
+
+    def initial_state(self, seed: int = 0) -> tuple[int, int]:
+        # (seed, calls): the generator of each call is derived from both, so
+        # decide() stays pure and replays exactly.
+        return (self.config.seed + seed, 0)
+
+    def limits(self, obs: Observation) -> tuple[int, int, int]:
+        cfg, d = self.config, obs.drafter
+        depth = min(cfg.max_depth or d.max_depth, d.max_depth, obs.acceptance.max_depth)
+        width = min(cfg.max_width or d.max_width, d.max_width, obs.acceptance.max_width)
+        nodes = min(cfg.max_nodes or d.max_tree_nodes, d.max_tree_nodes)
+        return depth, width, nodes
+
+    def solve_row(self, obs: Observation, node_lists: Sequence[NodeList], batch_bucket: int) -> tuple[list[int], float]:
+        """Nodes per request for every context bucket at one batch size.
+
+        Buckets carrying traffic share one TETRIS allocation on a
+        representative batch. The others would join that batch as a few
+        requests, so they take every node whose value beats the batch's
+        marginal price: a node of value ``v`` costing ``δ`` ms raises the
+        goodput ``G = tokens / T`` iff ``v > G · δ``.
+        """
+        share, means = observed_mix(obs)
+        batch = representative_batch_size(obs.batch_edges, batch_bucket)
+        served = [c for c in range(len(node_lists)) if share[c] >= self.config.min_share]
+        groups = [BatchGroup(batch * share[c], means[c], node_lists[c]) for c in served]
+        allocation = allocate(groups, obs.cost, self.config.min_gain)
+        nodes = dict(zip(served, allocation.nodes_per_group))
+        batch_tokens = batch + sum(g.count * nodes[c] for g, c in zip(groups, served))
+        kv = sum(g.count * g.context_len for g in groups)
+        verify_step = float(obs.cost.verify_ms(batch_tokens + 1.0, kv) - obs.cost.verify_ms(batch_tokens, kv))
+        node_ms = verify_step + float(obs.cost.draft_ms(0, 1, batch) - obs.cost.draft_ms(0, 0, batch))
+        price = allocation.goodput_tok_s / 1000.0 * node_ms * (1.0 + self.config.min_gain)
+        for c in range(len(node_lists)):
+            if c not in nodes:
+                nodes[c] = int(np.count_nonzero(node_lists[c].values > price))
+        return [nodes[c] for c in range(len(node_lists))], allocation.goodput_tok_s
+
+    def decide(self, state: tuple[int, int], obs: Observation) -> tuple[PlanDraft, tuple[int, int]]:
+        seed, calls = state
+        depth, width, nodes = self.limits(obs)
+        contexts = range(len(obs.context_edges))
+        mean_nodes = [best_first_nodes(obs.acceptance.rank_probs(c), depth, width, nodes) for c in contexts]
+        rows, goodputs = [], []
+        for b in range(len(obs.batch_edges)):
+            nodes_per_bucket, goodput = self.solve_row(obs, mean_nodes, b)
+            rows.append([mean_nodes[c].decision(m) for c, m in enumerate(nodes_per_bucket)])
+            goodputs.append(goodput)
+        table = DecisionTable.from_rows(rows, obs.batch_edges, obs.context_edges)
+        current = bucket_index(obs.batch_edges, max(1, round(obs.load.mean_batch_size)))
+        overrides, reasons = self.explore(obs, table, np.random.default_rng([seed, calls]), depth, width, nodes)
+        plan = PlanDraft(table, overrides, goodputs[current], reasons)
+        return plan, (seed, calls + 1)
+
+    def explore(self, obs: Observation, table: DecisionTable, rng: np.random.Generator,
+                depth: int, width: int, nodes: int) -> tuple[dict[str, Decision], dict[str, str]]:
+        """Thompson sampling on the probe slice of the active requests."""
+        threshold = int(self.config.probe_fraction * 10_000)
+        probes = [rid for rid in obs.active_requests if zlib.crc32(rid.encode()) % 10_000 < threshold]
+        if not probes:
+            return {}, {}
+        batch_bucket = bucket_index(obs.batch_edges, max(1, len(obs.active_requests)))
+        sampled = [
+            best_first_nodes(obs.acceptance.sample_rank_probs(c, rng), depth, width, nodes)
+            for c in range(len(obs.context_edges))
+        ]
+        nodes_per_bucket, _ = self.solve_row(obs, sampled, batch_bucket)
+        overrides, reasons = {}, {}
+        for rid in probes:
+            c = bucket_index(obs.context_edges, obs.active_requests[rid])
+            decision = sampled[c].decision(nodes_per_bucket[c])
+            if decision != table.cell(batch_bucket, c):
+                overrides[rid] = decision
+                reasons[rid] = "explore"
+        return overrides, reasons
+
+
+def _register() -> None:
+    from policies.presets import register_policy
+
+    register_policy("goodput", GoodputConfig, GoodputPolicy)
+
+
+_register()

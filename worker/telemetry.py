@@ -1,0 +1,64 @@
+"""What an engine hands the agent after each step.
+
+Plain dataclasses so an engine's step loop does no protobuf work: the agent's
+background task turns them into ``speculation.v1`` messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(slots=True)
+class RequestTelemetry:
+    """One request's part of one step.
+
+    ``accepted_rank`` / ``level_candidates`` give the per-position outcome,
+    one entry per level reached (``min(accepted + 1, depth)`` entries): the
+    1-based rank of the accepted candidate (0 = none) and how many candidates
+    were offered there. Left empty for a chain, they are derived from
+    ``accepted`` and ``depth``.
+    """
+
+    request_id: str
+    context_len: int
+    depth: int = 0
+    width: int = 0
+    nodes: int = 0
+    accepted: int = 0
+    accepted_rank: Sequence[int] = ()
+    level_candidates: Sequence[int] = ()
+    draft_confidence: Sequence[float] = ()
+    domain: str = ""
+
+    def position_outcomes(self) -> tuple[list[int], list[int]]:
+        """(accepted_rank, level_candidates), derived for chains when not given."""
+        if self.accepted_rank or self.depth == 0:
+            return list(self.accepted_rank), list(self.level_candidates)
+        reached = min(self.accepted + 1, self.depth)
+        ranks = [1] * min(self.accepted, reached) + [0] * (reached - min(self.accepted, reached))
+        return ranks, [1] * reached
+
+
+@dataclass(slots=True)
+class StepTelemetry:
+    """One engine step: one target forward over the whole batch."""
+
+    step_id: int
+    timestamp: float
+    batch_size: int
+    draft_ms: float
+    verify_ms: float
+    requests: list[RequestTelemetry] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestSummary:
+    """Sent once when a request leaves the batch."""
+
+    request_id: str
+    generated_tokens: int
+    steps: int
+    accepted_tokens: int
+    timestamp: float
