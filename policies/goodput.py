@@ -279,7 +279,10 @@ class GoodputPolicy(Policy[GoodputConfig]):
         nodes = dict(zip(served, allocation.nodes_per_group))
         batch_tokens = batch + sum(g.count * nodes[c] for g, c in zip(groups, served))
         kv = sum(g.count * g.context_len for g in groups)
-        verify_step = float(obs.cost.verify_ms(batch_tokens + 1.0, kv) - obs.cost.verify_ms(batch_tokens, kv))
+        # Price a node by the cost of a tenth of the batch adding one each, not
+        # by the slope at a point: the optimum often sits right at the roofline's kink.
+        span = max(1.0, 0.1 * batch)
+        verify_step = float(obs.cost.verify_ms(batch_tokens + span, kv) - obs.cost.verify_ms(batch_tokens, kv)) / span
         node_ms = verify_step + float(obs.cost.draft_ms(0, 1, batch) - obs.cost.draft_ms(0, 0, batch))
         price = allocation.goodput_tok_s / 1000.0 * node_ms * (1.0 + self.config.min_gain)
         for c in range(len(node_lists)):

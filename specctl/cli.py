@@ -1,0 +1,94 @@
+"""``specctl``: one console script for the controller, workers, demo and benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from controller.config import ConfigError, load_config
+    from controller.server import serve_forever
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"specctl serve: {err}", file=sys.stderr)
+        return 2
+    if args.policy:
+        config = config.model_copy(update={"policy": args.policy})
+    if args.record:
+        config = config.model_copy(update={"record": args.record})
+    try:
+        asyncio.run(serve_forever(config, args.listen))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from specctl.demo import run_demo
+
+    return run_demo(duration_s=args.duration, scenario=args.scenario, policy=args.policy)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "controller":
+        from bench.controller import run_controller_bench
+
+        return run_controller_bench(out_dir=args.out, workers=args.workers, duration_s=args.duration,
+                                    steps_per_s=args.steps_per_s)
+    print(f"specctl bench: unknown benchmark {args.what!r}", file=sys.stderr)
+    return 2
+
+
+def _status(args: argparse.Namespace) -> int:
+    from specctl.status import print_status
+
+    return print_status(args.controller, args.worker)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specctl", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the speculation controller (gRPC)")
+    serve.add_argument("--config", help="controller YAML config (defaults apply without one)")
+    serve.add_argument("--listen", help="HOST:PORT, overrides the config's listen")
+    serve.add_argument("--policy", help="policy preset name or file, overrides the config")
+    serve.add_argument("--record", help="write telemetry to this compressed JSONL file")
+    serve.set_defaults(func=_serve)
+
+    demo = sub.add_parser("demo", help="controller + simulated GPU fleet, live table, then a goodput summary")
+    demo.add_argument("--duration", type=float, default=60.0, help="seconds of live run (default 60)")
+    demo.add_argument("--scenario", default="demo", help="scenario name or YAML file (default: demo)")
+    demo.add_argument("--policy", default="goodput", help="policy preset for the controlled fleet")
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench.add_argument("what", choices=["controller"])
+    bench.add_argument("--out", default="bench/results", help="output directory for JSON + PNG")
+    bench.add_argument("--workers", type=int, default=256)
+    bench.add_argument("--duration", type=float, default=10.0, help="seconds of measured load")
+    bench.add_argument("--steps-per-s", type=float, default=50.0, help="steps per second per worker")
+    bench.set_defaults(func=_bench)
+
+    status = sub.add_parser("status", help="show the controller's workers, plans and models")
+    status.add_argument("--controller", default="127.0.0.1:50051", help="HOST:PORT of the controller")
+    status.add_argument("--worker", default="", help="only this worker id")
+    status.set_defaults(func=_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
