@@ -78,6 +78,18 @@ class StratumPosterior:
                     fail[base + r] += 1.0
         self.observations += 1
 
+    def observe_chain(self, depth: int, accepted: int, count: float = 1.0) -> None:
+        """``count`` chain steps of ``depth`` that accepted ``accepted`` tokens:
+        positions 1..τ succeeded at rank 1, position τ+1 failed, the rest are
+        censored."""
+        width = self.max_width
+        succ = self.succ
+        for level in range(min(accepted, self.max_depth)):
+            succ[level * width] += count
+        if accepted < depth and accepted < self.max_depth:
+            self.fail[accepted * width] += count
+        self.observations += count
+
     def decay(self, now: float, half_life_s: float, max_evidence: float) -> None:
         """Forget old evidence: exponential in time, then cap each cell."""
         dt = now - self.updated_at

@@ -40,10 +40,14 @@ class AcceptanceSettings(BaseModel):
 class PlanSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    recompute_interval_s: float = Field(0.5, ge=0, description="least time between two policy runs per worker")
-    min_push_interval_s: float = Field(1.0, ge=0, description="least time between two plans pushed to a worker")
+    recompute_interval_s: float = Field(2.0, ge=0, description="least time between two policy runs per worker")
+    min_push_interval_s: float = Field(2.0, ge=0, description="least time between two plans pushed to a worker")
     hysteresis: float = Field(0.02, ge=0, le=1, description="relative goodput gain a model-based plan must bring")
     steps_before_first_plan: int = Field(1, ge=0, description="steps a worker reports before its first fitted plan")
+    tick_s: float = Field(0.05, gt=0, le=5, description="how often due policies run and plans are pushed")
+    policy_cpu_fraction: float = Field(
+        0.3, gt=0, le=1, description="share of each tick the policies may use; beyond it workers wait their turn"
+    )
 
 
 class ServerConfig(BaseModel):

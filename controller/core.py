@@ -11,6 +11,7 @@ tests.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_right
 import secrets
 import time
 import zlib
@@ -44,7 +45,7 @@ from policies.base import (
     StepOutcome,
 )
 from policies.goodput import table_goodput
-from policies.table import Decision, bucket_index
+from policies.table import Decision
 from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
 
 log = logging.getLogger("specctl.controller")
@@ -181,66 +182,73 @@ class Controller:
         """Apply every valid step; return a rejection for each invalid one."""
         now = self.clock()
         rejections = []
+        chains: dict[tuple[int, int, int], int] = {}  # (bucket, depth, τ) -> request-steps, applied in bulk
+        finished_ids = state.finished_ids
         for i, step in enumerate(reports.steps):
             try:
-                validate_step(step, state.limits, f"steps[{i}]", state.last_step_id)
-                for j, r in enumerate(step.requests):
-                    if r.request_id in state.finished_ids:
-                        raise Invalid(R.REJECT_REASON_UNKNOWN_REQUEST, f"steps[{i}].requests[{j}].request_id",
-                                      f"{r.request_id!r} already finished", step.step_id)
+                rows = validate_step(step, state.limits, f"steps[{i}]", state.last_step_id)
+                if finished_ids:
+                    for j, row in enumerate(rows):
+                        if row[0] in finished_ids:
+                            raise Invalid(R.REJECT_REASON_UNKNOWN_REQUEST, f"steps[{i}].requests[{j}].request_id",
+                                          f"{row[0]!r} already finished", step.step_id)
             except Invalid as err:
                 rejections.append(self.reject(state, err))
                 continue
-            self._apply_step(state, step, now)
+            self._apply_step(state, step, rows, chains, now)
+        if chains:
+            posteriors = self.acceptance.strata(state.drafter_key, state.limits.max_depth, state.limits.max_width, now)
+            for (bucket, depth, accepted), count in chains.items():
+                posteriors[bucket].observe_chain(depth, accepted, count)
         self._maybe_tick(now)
         return rejections
 
-    def _apply_step(self, state: WorkerState, step: worker_pb2.StepReport, now: float) -> None:
-        limits = state.limits
-        key = state.drafter_key
-        acceptance = self.acceptance
+    def _apply_step(self, state: WorkerState, step: worker_pb2.StepReport, rows: list, chains: dict,
+                    now: float) -> None:
         edges = self.context_edges
         counts, sums = state.context_counts, state.context_sums
         active = state.active
-        batch_tokens = step.batch_size - len(step.requests)  # unreported requests decode one token
-        kv_tokens = 0
-        max_depth = 0
-        total_nodes = 0
-        tokens = step.batch_size - len(step.requests)
+        keep_requests = self.policy.wants_request_outcomes
         outcomes = []
-        for r in step.requests:
-            ctx = r.context_len
-            batch_tokens += 1 + r.nodes
+        unreported = step.batch_size - len(rows)  # requests not reported decode one token each
+        batch_tokens = tokens = unreported
+        kv_tokens = max_depth = total_nodes = 0
+        posteriors = None
+        for row in rows:
+            rid, ctx, depth, width, nodes, accepted, ranks, cands = row
+            batch_tokens += 1 + nodes
             kv_tokens += ctx
-            total_nodes += r.nodes
-            tokens += 1 + r.accepted
-            if r.depth > max_depth:
-                max_depth = r.depth
-            c = bucket_index(edges, ctx)
+            total_nodes += nodes
+            tokens += 1 + accepted
+            c = bisect_right(edges, ctx) - 1  # edges start at 0, so c >= 0
             counts[c] += 1.0
             sums[c] += ctx
-            if r.depth > 0:
-                if r.accepted_rank:
-                    ranks, cands = r.accepted_rank, r.level_candidates
-                else:  # chain shorthand
-                    reached = min(r.accepted + 1, r.depth)
-                    ranks = [1] * r.accepted + [0] * (reached - r.accepted)
-                    cands = [1] * reached
-                acceptance.observe(key, limits.max_depth, limits.max_width, ctx, ranks, cands, now)
-            if r.request_id in active:
-                active.move_to_end(r.request_id)
-            active[r.request_id] = ctx
-            outcomes.append(RequestOutcome(r.request_id, ctx, r.depth, r.width, r.nodes, r.accepted))
+            if depth:
+                if depth > max_depth:
+                    max_depth = depth
+                if ranks is None:
+                    key = (c, depth, accepted)
+                    chains[key] = chains.get(key, 0) + 1
+                else:
+                    if posteriors is None:
+                        limits = state.limits
+                        posteriors = self.acceptance.strata(state.drafter_key, limits.max_depth, limits.max_width, now)
+                    posteriors[c].observe(ranks, cands)
+            if rid in active:
+                active.move_to_end(rid)
+            active[rid] = ctx
+            if keep_requests:
+                outcomes.append(RequestOutcome(rid, ctx, depth, width, nodes, accepted))
         while len(active) > self.config.max_active_requests:
             active.popitem(last=False)
-        state.cost.observe_step(batch_tokens, kv_tokens, max_depth, total_nodes, step.draft_ms, step.verify_ms)
+        draft_ms, verify_ms, batch = step.draft_ms, step.verify_ms, step.batch_size
+        state.cost.observe_step(batch_tokens, kv_tokens, max_depth, total_nodes, draft_ms, verify_ms)
         state.recent_steps.append(
-            StepOutcome(step.step_id, step.timestamp, step.batch_size, step.draft_ms, step.verify_ms, tuple(outcomes))
-        )
-        state.batch_ema = step.batch_size if state.steps_ingested == 0 else (
-            (1 - LOAD_EMA) * state.batch_ema + LOAD_EMA * step.batch_size)
-        state.tokens_ema = (1 - LOAD_EMA) * state.tokens_ema + LOAD_EMA * tokens
-        state.step_ms_ema = (1 - LOAD_EMA) * state.step_ms_ema + LOAD_EMA * (step.draft_ms + step.verify_ms)
+            StepOutcome(step.step_id, step.timestamp, batch, draft_ms, verify_ms, tuple(outcomes), tokens))
+        keep = 1 - LOAD_EMA
+        state.batch_ema = batch if state.steps_ingested == 0 else keep * state.batch_ema + LOAD_EMA * batch
+        state.tokens_ema = keep * state.tokens_ema + LOAD_EMA * tokens
+        state.step_ms_ema = keep * state.step_ms_ema + LOAD_EMA * (draft_ms + verify_ms)
         state.last_step_id = step.step_id
         state.steps_ingested += 1
         state.new_steps += 1
@@ -356,6 +364,7 @@ class Controller:
             return []
         draft, obs = self.run_policy(state, now)
         state.force_push = False
+        now = self.clock()  # push latency is counted from here, after the policy ran
         out: list = []
         if self._should_push_table(state, draft, obs, force):
             state.plan_version += 1

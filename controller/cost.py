@@ -189,8 +189,8 @@ class StepCostModel:
         self._t = [0.0] * cells
         self._t2 = [0.0] * cells
         # Draft model normal equations over features [spec, max_depth, nodes].
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
+        # Σ spec², Σ spec·d, Σ spec·n, Σ d², Σ d·n, Σ n², Σ spec·y, Σ d·y, Σ n·y
+        self._draft_sums = [0.0] * 9
         self._draft_weight = 0.0
         self.samples = 0
         self.params = prior
@@ -216,13 +216,23 @@ class StepCostModel:
         self.samples += 1
 
     def observe_draft(self, max_depth: int, total_nodes: int, draft_ms: float) -> None:
-        x = np.array([1.0 if max_depth > 0 else 0.0, float(max_depth), float(total_nodes)])
+        # Normal equations over x = [spec, depth, nodes], kept as plain floats:
+        # this runs once per step.
+        spec = 1.0 if max_depth > 0 else 0.0
+        d, n = float(max_depth), float(total_nodes)
         if self._draft_weight >= self.max_cell_weight * 4:
-            self._xtx *= 0.999
-            self._xty *= 0.999
+            self._draft_sums = [v * 0.999 for v in self._draft_sums]
             self._draft_weight *= 0.999
-        self._xtx += np.outer(x, x)
-        self._xty += x * draft_ms
+        sums = self._draft_sums
+        sums[0] += spec
+        sums[1] += spec * d
+        sums[2] += spec * n
+        sums[3] += d * d
+        sums[4] += d * n
+        sums[5] += n * n
+        sums[6] += spec * draft_ms
+        sums[7] += d * draft_ms
+        sums[8] += n * draft_ms
         self._draft_weight += 1.0
 
     def observe_step(self, batch_tokens: int, kv_tokens: int, max_depth: int, total_nodes: int,
@@ -256,9 +266,11 @@ class StepCostModel:
         lam = self.prior_weight
         # min ||A θ - y||² + λ||θ - θ0||² with θ ≥ 0, via a Cholesky factor of
         # the regularised normal equations.
-        gram = self._xtx + lam * np.eye(3)
-        factor = np.linalg.cholesky(gram)
-        rhs = np.linalg.solve(factor, self._xty + lam * prior)
+        q = self._draft_sums
+        xtx = np.array([[q[0], q[1], q[2]], [q[1], q[3], q[4]], [q[2], q[4], q[5]]])
+        xty = np.array(q[6:9])
+        factor = np.linalg.cholesky(xtx + lam * np.eye(3))
+        rhs = np.linalg.solve(factor, xty + lam * prior)
         theta = nnls(factor.T, rhs)[0]
         return replace(params, draft_fixed_ms=float(theta[0]), draft_ms_per_level=float(theta[1]),
                        draft_ms_per_node=float(theta[2]))

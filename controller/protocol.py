@@ -70,68 +70,111 @@ def validate_hello(hello: worker_pb2.Hello) -> None:
     )
 
 
-def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path: str, step_id: int) -> None:
-    def need(ok: bool, name: str, detail: str) -> None:
-        _need(ok, f"{path}.{name}", detail, step_id)
+def _bad(path: str, name: str, detail: str, step_id: int) -> Invalid:
+    return Invalid(R.REJECT_REASON_INVALID_FIELD, f"{path}.{name}", detail, step_id)
 
-    need(bool(r.request_id), "request_id", "must be a non-empty string")
-    need(0 <= r.context_len <= MAX_CONTEXT_LEN, "context_len", f"{r.context_len} must be in 0..{MAX_CONTEXT_LEN}")
-    need(0 <= r.depth <= limits.max_depth, "depth", f"{r.depth} must be in 0..{limits.max_depth} (drafter max_depth)")
-    need(0 <= r.accepted <= r.depth, "accepted", f"{r.accepted} must be in 0..depth ({r.depth})")
-    if r.depth == 0:
-        need(r.width == 0 and r.nodes == 0, "nodes", f"width={r.width}, nodes={r.nodes} must be 0 when depth is 0")
-        need(not r.accepted_rank, "accepted_rank", f"{list(r.accepted_rank)} must be empty when depth is 0")
+
+def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path: str, step_id: int) -> None:
+    # Plain `if` checks: this runs for every request of every step, so the
+    # messages are only formatted when something is wrong.
+    depth, accepted = r.depth, r.accepted
+    if not r.request_id:
+        raise _bad(path, "request_id", "must be a non-empty string", step_id)
+    if not 0 <= r.context_len <= MAX_CONTEXT_LEN:
+        raise _bad(path, "context_len", f"{r.context_len} must be in 0..{MAX_CONTEXT_LEN}", step_id)
+    if not 0 <= depth <= limits.max_depth:
+        raise _bad(path, "depth", f"{depth} must be in 0..{limits.max_depth} (drafter max_depth)", step_id)
+    if not 0 <= accepted <= depth:
+        raise _bad(path, "accepted", f"{accepted} must be in 0..depth ({depth})", step_id)
+    if depth == 0:
+        if r.width or r.nodes:
+            raise _bad(path, "nodes", f"width={r.width}, nodes={r.nodes} must be 0 when depth is 0", step_id)
+        if r.accepted_rank:
+            raise _bad(path, "accepted_rank", f"{list(r.accepted_rank)} must be empty when depth is 0", step_id)
         return
-    need(1 <= r.width <= limits.max_width, "width", f"{r.width} must be in 1..{limits.max_width} (drafter max_width)")
-    need(
-        r.depth <= r.nodes <= limits.max_tree_nodes,
-        "nodes",
-        f"{r.nodes} must be in depth ({r.depth})..{limits.max_tree_nodes} (drafter max_tree_nodes)",
-    )
+    width = r.width
+    if not 1 <= width <= limits.max_width:
+        raise _bad(path, "width", f"{width} must be in 1..{limits.max_width} (drafter max_width)", step_id)
+    if not depth <= r.nodes <= limits.max_tree_nodes:
+        raise _bad(path, "nodes", f"{r.nodes} must be in depth ({depth})..{limits.max_tree_nodes} "
+                   "(drafter max_tree_nodes)", step_id)
     ranks, cands = r.accepted_rank, r.level_candidates
     if not ranks:
-        need(r.width == 1, "accepted_rank", "may be omitted only for a chain (width 1)")
-        need(not cands, "level_candidates", "must be empty when accepted_rank is")
+        if width != 1:
+            raise _bad(path, "accepted_rank", "may be omitted only for a chain (width 1)", step_id)
+        if cands:
+            raise _bad(path, "level_candidates", "must be empty when accepted_rank is", step_id)
         return
-    need(len(cands) == len(ranks), "level_candidates", f"has {len(cands)} entries, accepted_rank has {len(ranks)}")
-    reached = r.accepted + 1 if r.accepted < r.depth else r.depth
+    if len(cands) != len(ranks):
+        raise _bad(path, "level_candidates", f"has {len(cands)} entries, accepted_rank has {len(ranks)}", step_id)
+    reached = accepted + 1 if accepted < depth else depth
     # A path may end at a leaf shallower than depth: then every entry is an acceptance.
-    need(
-        len(ranks) == reached or (len(ranks) == r.accepted and r.accepted < r.depth),
-        "accepted_rank",
-        f"has {len(ranks)} entries, expected {reached} for accepted={r.accepted}, depth={r.depth}",
-    )
+    if not (len(ranks) == reached or (len(ranks) == accepted and accepted < depth)):
+        raise _bad(path, "accepted_rank",
+                   f"has {len(ranks)} entries, expected {reached} for accepted={accepted}, depth={depth}", step_id)
     for i, (rank, offered) in enumerate(zip(ranks, cands)):
-        need(1 <= offered <= r.width, f"level_candidates[{i}]", f"{offered} must be in 1..width ({r.width})")
-        if i < r.accepted:
-            need(1 <= rank <= offered, f"accepted_rank[{i}]", f"{rank} must be in 1..{offered} (position accepted)")
-        else:
-            need(rank == 0, f"accepted_rank[{i}]", f"{rank} must be 0 (position rejected: accepted={r.accepted})")
-    if r.draft_confidence:
-        need(len(r.draft_confidence) == len(ranks), "draft_confidence",
-             f"has {len(r.draft_confidence)} entries, expected 0 or {len(ranks)}")
-        for i, c in enumerate(r.draft_confidence):
-            need(0.0 <= c <= 1.0, f"draft_confidence[{i}]", f"{c} must be in [0, 1]")
+        if not 1 <= offered <= width:
+            raise _bad(path, f"level_candidates[{i}]", f"{offered} must be in 1..width ({width})", step_id)
+        if i < accepted:
+            if not 1 <= rank <= offered:
+                raise _bad(path, f"accepted_rank[{i}]", f"{rank} must be in 1..{offered} (position accepted)", step_id)
+        elif rank != 0:
+            raise _bad(path, f"accepted_rank[{i}]", f"{rank} must be 0 (position rejected: accepted={accepted})",
+                       step_id)
+    confidence = r.draft_confidence
+    if confidence:
+        if len(confidence) != len(ranks):
+            raise _bad(path, "draft_confidence", f"has {len(confidence)} entries, expected 0 or {len(ranks)}", step_id)
+        for i, c in enumerate(confidence):
+            if not 0.0 <= c <= 1.0:
+                raise _bad(path, f"draft_confidence[{i}]", f"{c} must be in [0, 1]", step_id)
 
 
-def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str, last_step_id: int) -> None:
+# One validated request of a step: (request_id, context_len, depth, width,
+# nodes, accepted, accepted_rank, level_candidates); the last two are None for
+# a chain or an off request (the per-position outcome follows from τ).
+RequestRow = tuple[str, int, int, int, int, int, "tuple[int, ...] | None", "tuple[int, ...] | None"]
+
+
+def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
+                  last_step_id: int) -> list[RequestRow]:
+    """Check a step and return its requests as plain rows (fields read once)."""
     sid = step.step_id
-
-    def need(ok: bool, name: str, detail: str) -> None:
-        _need(ok, f"{path}.{name}", detail, sid)
-
-    _need(sid > last_step_id, f"{path}.step_id", f"{sid} must exceed the last step id {last_step_id}", sid,
-          R.REJECT_REASON_STALE_STEP)
-    need(math.isfinite(step.timestamp) and step.timestamp >= 0, "timestamp", f"{step.timestamp} must be finite and >= 0")
-    need(1 <= step.batch_size <= MAX_BATCH_SIZE, "batch_size", f"{step.batch_size} must be in 1..{MAX_BATCH_SIZE}")
-    need(len(step.requests) <= step.batch_size, "requests",
-         f"{len(step.requests)} entries exceed batch_size {step.batch_size}")
+    if sid <= last_step_id:
+        raise Invalid(R.REJECT_REASON_STALE_STEP, f"{path}.step_id",
+                      f"{sid} must exceed the last step id {last_step_id}", sid)
+    if not (math.isfinite(step.timestamp) and step.timestamp >= 0):
+        raise _bad(path, "timestamp", f"{step.timestamp} must be finite and >= 0", sid)
+    if not 1 <= step.batch_size <= MAX_BATCH_SIZE:
+        raise _bad(path, "batch_size", f"{step.batch_size} must be in 1..{MAX_BATCH_SIZE}", sid)
+    requests = step.requests
+    if len(requests) > step.batch_size:
+        raise _bad(path, "requests", f"{len(requests)} entries exceed batch_size {step.batch_size}", sid)
     for name in ("draft_ms", "verify_ms"):
         value = getattr(step, name)
-        need(math.isfinite(value) and 0.0 <= value < 3.6e6, name, f"{value} must be finite, >= 0 and < 1 h")
-    need(step.verify_ms > 0.0, "verify_ms", f"{step.verify_ms} must be > 0")
-    for i, r in enumerate(step.requests):
+        if not (math.isfinite(value) and 0.0 <= value < 3.6e6):
+            raise _bad(path, name, f"{value} must be finite, >= 0 and < 1 h", sid)
+    if not step.verify_ms > 0.0:
+        raise _bad(path, "verify_ms", f"{step.verify_ms} must be > 0", sid)
+    max_depth, max_nodes = limits.max_depth, limits.max_tree_nodes
+    rows: list[RequestRow] = []
+    for i, r in enumerate(requests):
+        rid, ctx, depth, width, nodes, accepted = r.request_id, r.context_len, r.depth, r.width, r.nodes, r.accepted
+        ranks = r.accepted_rank
+        # Fast path for the common shapes (off, or a chain with the τ shorthand);
+        # anything else gets the full field-by-field check and its message.
+        if rid and 0 <= ctx <= MAX_CONTEXT_LEN and 0 <= accepted <= depth <= max_depth and not ranks and (
+            (depth == 0 and width == 0 and nodes == 0)
+            or (depth > 0 and width == 1 and depth <= nodes <= max_nodes and not r.level_candidates)
+        ) and not r.draft_confidence:
+            rows.append((rid, ctx, depth, width, nodes, accepted, None, None))
+            continue
         validate_request_step(r, limits, f"{path}.requests[{i}]", sid)
+        if depth and ranks:
+            rows.append((rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates)))
+        else:
+            rows.append((rid, ctx, depth, width, nodes, accepted, None, None))
+    return rows
 
 
 def validate_finished(f: worker_pb2.RequestFinished) -> None:

@@ -74,16 +74,16 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
 
 
 async def _housekeeping(running: RunningServer, poll_interval_s: float) -> None:
-    """Watch the policy file and push plans that are due without new telemetry."""
-    tick = min(0.25, poll_interval_s)
+    """Watch the policy file; run due policies and push plans within a CPU budget."""
+    plan = running.controller.config.plan
     last_poll = 0.0
     while True:
-        await asyncio.sleep(tick)
+        await asyncio.sleep(plan.tick_s)
         now = time.monotonic()
         if now - last_poll >= poll_interval_s:
             last_poll = now
             running.policy_source.poll()
-        running.servicer.push_due_plans()
+        running.servicer.push_due_plans(plan.tick_s * plan.policy_cpu_fraction)
 
 
 async def serve_forever(config: ServerConfig, listen: str | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -76,6 +77,7 @@ class SpeculationControllerServicer:
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
         self.streams: dict[str, Stream] = {}
+        self._next_stream = 0
 
     # ------------------------------------------------------------- Connect
     async def Connect(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
@@ -117,7 +119,6 @@ class SpeculationControllerServicer:
             async for msg in request_iterator:
                 for rejection in self.handle(state, msg):
                     stream.send(wrap(rejection))
-                self._push_plans(stream)
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
         finally:
@@ -150,10 +151,21 @@ class SpeculationControllerServicer:
         for item in self.controller.plan_updates(stream.state):
             stream.send(wrap(item))
 
-    def push_due_plans(self) -> None:
-        """Called periodically: pushes forced plans (e.g. after a policy reload)."""
-        for stream in list(self.streams.values()):
-            self._push_plans(stream)
+    def push_due_plans(self, budget_s: float) -> None:
+        """Run due policies and push their plans, round-robin over the streams,
+        within ``budget_s`` of CPU so telemetry ingest is never starved: with
+        many workers each one is simply re-planned less often."""
+        streams = list(self.streams.values())
+        if not streams:
+            return
+        start = time.perf_counter()
+        first = self._next_stream % len(streams)
+        for k in range(len(streams)):
+            self._push_plans(streams[(first + k) % len(streams)])
+            if time.perf_counter() - start > budget_s:
+                self._next_stream = first + k + 1
+                return
+        self._next_stream = first
 
     # -------------------------------------------------------------- Decide
     async def Decide(self, request, context: grpc.aio.ServicerContext) -> controller_pb2.DecideResponse:

@@ -49,18 +49,26 @@ class RequestOutcome:
 
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
-    """One engine step as the worker reported it."""
+    """One engine step as the worker reported it.
+
+    ``requests`` is empty when the policy does not ask for per-request
+    outcomes (``Policy.wants_request_outcomes``); ``emitted`` then carries the
+    step's token count.
+    """
 
     step_id: int
     timestamp: float
     batch_size: int
     draft_ms: float
     verify_ms: float
-    requests: tuple[RequestOutcome, ...]
+    requests: tuple[RequestOutcome, ...] = ()
+    emitted: int | None = None
 
     @property
     def tokens(self) -> int:
         """Tokens emitted by the step: Σ (τ + 1)."""
+        if self.emitted is not None:
+            return self.emitted
         return sum(r.accepted + 1 for r in self.requests)
 
     @property
@@ -172,6 +180,9 @@ class Policy(ABC, Generic[ConfigT]):
     # Model-based policies are judged by estimated goodput before a new plan
     # is pushed (hysteresis); rule-based ones push whenever their rule says.
     model_based: bool = False
+    # Whether observations carry every request's outcome per step (rule-based
+    # engines' policies read them; model-based ones read the fitted models).
+    wants_request_outcomes: bool = True
 
     def __init__(self, config: ConfigT) -> None:
         self.config = config

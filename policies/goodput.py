@@ -249,6 +249,7 @@ def table_goodput(table: DecisionTable, obs: Observation) -> float:
 class GoodputPolicy(Policy[GoodputConfig]):
     name = "goodput"
     model_based = True
+    wants_request_outcomes = False
 
     def initial_state(self, seed: int = 0) -> tuple[int, int]:
         # (seed, calls): the generator of each call is derived from both, so

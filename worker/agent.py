@@ -55,7 +55,7 @@ class AgentStats:
 class AgentOptions:
     fallback: Decision = field(default_factory=lambda: Decision.off())
     queue_size: int = 4096  # steps kept while the controller is slow or away
-    flush_interval_s: float = 0.02  # telemetry batching period
+    flush_interval_s: float = 0.1  # telemetry batching period (plans move on seconds, not steps)
     max_steps_per_message: int = 64
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 5.0
@@ -216,7 +216,13 @@ class SpeculationAgent:
         async with channel:
             stub = controller_pb2_grpc.SpeculationControllerStub(channel)
             outbox: asyncio.Queue = asyncio.Queue()
-            call = stub.Connect(self._outbound(outbox))
+            stream_up = asyncio.Event()
+            call = stub.Connect(self._outbound(outbox, stream_up))
+            # Telemetry stays queued until the stream is really up: steps
+            # drained into a call that never connects would be lost.
+            await call.wait_for_connection()
+            stream_up.set()
+            self.stats.connected = True
             stop_task = asyncio.create_task(self._stop.wait())
             read_task = asyncio.create_task(self._inbound(call, outbox))
             try:
@@ -228,11 +234,12 @@ class SpeculationAgent:
             if read_task.done() and not read_task.cancelled() and read_task.exception():
                 raise read_task.exception()
 
-    async def _outbound(self, outbox: asyncio.Queue):
+    async def _outbound(self, outbox: asyncio.Queue, stream_up: asyncio.Event):
         hello = worker_pb2.Hello()
         hello.CopyFrom(self.hello)
         hello.current_plan_version = self.stats.plan_version
         yield worker_pb2.WorkerMessage(hello=hello)
+        await stream_up.wait()
         interval = self.options.flush_interval_s
         while True:
             try:
@@ -278,7 +285,7 @@ class SpeculationAgent:
                 self.stats.rejections += 1
                 r = msg.rejection
                 self.stats.last_rejection = f"{plan_pb2.RejectReason.Name(r.reason)} {r.field}: {r.detail}"
-                log.warning("controller rejected telemetry: %s", self.stats.last_rejection)
+                log.debug("controller rejected telemetry: %s", self.stats.last_rejection)
 
     def _apply_plan(self, plan: plan_pb2.Plan) -> worker_pb2.WorkerMessage:
         try:

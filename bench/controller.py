@@ -1,0 +1,991 @@
+"""``specctl bench controller``: how much telemetry the real controller takes
+over real gRPC, how fast its plans reach the workers, and what a bare gRPC
+stream takes on the same machine with the same load.
+
+Processes (``multiprocessing`` spawn; every one is stopped in ``finally``):
+
+- the **server**: first a bare grpc.aio echo server (``bench.echo``: parses
+  every ``WorkerMessage`` and counts steps — the floor), then the real
+  controller (``controller.server.start_server``, default config, goodput
+  policy, a free loopback port). Only one runs at a time, so neither competes
+  with the other for CPU. The controller child times its own sections
+  (``ingest``, ``plan_updates`` / ``run_policy``, ``status``) and samples its
+  CPU time and event-loop lag; ``SPECCTL_BENCH_PROFILE=1`` also runs cProfile
+  in it (``controller.prof`` + ``controller_profile.txt`` next to the JSON;
+  numbers of a profiled run are slowed by the profiler).
+- the **load generator**: ``workers`` simulated workers on one grpc.aio event
+  loop, over a few channels (≈32 streams each). Each sends Hello, then every
+  flush interval of the real agent a ``StepReports`` with the steps due at ``steps_per_s``
+  (≈8 requests per step, chain depth 3, per-request context lengths that grow
+  as tokens are generated, request ids that rotate with a ``RequestFinished``
+  when a request ends). Messages are wire-encoded by hand from per-request
+  byte templates so the generator stays cheap. Like the real agent, a worker
+  whose writes block queues at most 4096 steps (oldest dropped) and sends at
+  most 64 per message. Every Plan / RequestDecisions is ACKed at once.
+- the **parent**: runs the phases, shows progress, times
+  ``SpeculationAgent.decide`` and writes ``controller.json`` + ``controller.png``.
+
+Measurements:
+
+- ``steps_per_s_ingested``: Δ Σ ``steps_ingested`` between two GetStatus
+  calls, divided by the time between the two snapshots. The snapshot time is
+  the newest ``last_report_at`` in each answer (the controller's own clock,
+  the same machine clock as ours), so a slow GetStatus does not bend the
+  window; it falls back to the midpoints of the two calls.
+- ``steps_per_s_offered``: steps whose write the generator completed in that
+  same window (interpolated from its 50 ms send log).
+- ``bare_grpc_msgs_per_s``: the same measurement against the echo server,
+  same generator, same offered load and batching (steps per second).
+- ``plan_push_ms_p50/p99``: client side, for every Plan created in the
+  window: receive time at the worker − ``Plan.created_at`` (the moment the
+  controller built it). It excludes the ACK trip and includes the
+  controller's send queue, gRPC, and the generator's own scheduling delay.
+  Note that ``Controller.plan_updates`` stamps ``created_at`` *before* it
+  runs the policy, so the policy's own compute time (``run_policy_ms_mean``
+  in the JSON, ~4 ms for goodput) is part of this latency.
+  RequestDecisions carry no timestamp; the controller's send→ACK round trip
+  (``WorkerState.plan_push_ms``, both kinds) is reported as
+  ``plan_ack_rtt_ms_p50/p99``.
+- ``agent_decide_us_median``: ``SpeculationAgent.decide`` with a plan from
+  the real goodput policy installed through the agent's compile path, median
+  over 20 batches of 10 000 calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import io
+import json
+import math
+import multiprocessing as mp
+import os
+import pstats
+import random
+import struct
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import grpc
+
+from bench.echo import SERVICE, Sampler, echo_child, peak_rss_mb, wait_for_stop
+from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
+from worker.agent import AgentOptions
+
+CONNECT = f"/{SERVICE}/Connect"
+GET_STATUS = f"/{SERVICE}/GetStatus"
+FLUSH_S = AgentOptions().flush_interval_s  # telemetry batching period, as the real agent
+MAX_STEPS_PER_MESSAGE = 64  # as AgentOptions.max_steps_per_message
+QUEUE_STEPS = 4096  # as AgentOptions.queue_size
+STREAMS_PER_CHANNEL = 32
+CHAIN_DEPTH = 3
+ALPHA = 0.75  # per-position chain acceptance of the simulated drafter
+STATUS_TIMEOUT_S = 15.0
+READY_TIMEOUT_S = 90.0
+
+GOAL_WORKERS = 256
+GOAL_STEPS_PER_S = 50.0
+GOAL_PUSH_P99_MS = 5.0
+GOAL_INGEST_VS_BARE = 0.5
+GOAL_DECIDE_US = 10.0
+SUSTAINED = 0.95  # ingested / target that counts as keeping up
+
+JSON_KEYS = ("workers", "steps_per_s_offered", "steps_per_s_ingested", "plan_push_ms_p50", "plan_push_ms_p99",
+             "bare_grpc_msgs_per_s", "ingest_vs_bare_ratio", "agent_decide_us_median")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------ wire encoding
+# WorkerMessage { reports(2): StepReports { steps(1): StepReport {...} } }, encoded by hand.
+
+def varint(n: int) -> bytes:
+    if n < 0x80:
+        return _SMALL[n]
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SMALL = [bytes((i,)) for i in range(0x80)]
+_STEP_TAIL = struct.Struct("<BdBBBdBd")  # timestamp(2) batch_size(3) draft_ms(4) verify_ms(5)
+# RequestStep fields after context_len: depth(3)=3 width(4)=1 nodes(5)=3 [accepted(6)].
+_CHAIN_TAIL = [bytes((0x18, CHAIN_DEPTH, 0x20, 1, 0x28, CHAIN_DEPTH)) + (bytes((0x30, a)) if a else b"")
+               for a in range(CHAIN_DEPTH + 1)]
+
+
+def field_bytes(tag: int, payload: bytes) -> bytes:
+    """A length-delimited field: tag byte, varint length, payload."""
+    return _SMALL[tag] + varint(len(payload)) + payload
+
+
+def bench_hello(worker_id: str) -> worker_pb2.Hello:
+    """Same content as ``tests.support.make_hello`` (EAGLE chain drafter, depth ≤ 6, H100 hints)."""
+    return worker_pb2.Hello(
+        worker_id=worker_id,
+        engine="specctl-bench",
+        model="llama-3-8b",
+        hardware=worker_pb2.Hardware(accelerator="H100-SXM", count=1, memory_bandwidth_gb_s=3350,
+                                     peak_tflops=989, weight_bytes=16e9, kv_bytes_per_token=131072, params=8e9),
+        drafter=worker_pb2.Drafter(kind=worker_pb2.DRAFTER_KIND_EAGLE, version="v1", max_depth=6, max_width=1,
+                                   max_tree_nodes=6, trained_context_len=8192),
+        max_batch_size=256,
+    )
+
+
+class SimWorker:
+    """One simulated worker's telemetry, produced at a fixed rate and encoded by hand."""
+
+    def __init__(self, index: int, steps_per_s: float, seed: int) -> None:
+        self.rng = random.Random(seed * 100_003 + index)
+        self.worker_id = f"bench-w{index:04d}"
+        self.hello_bytes = worker_pb2.WorkerMessage(hello=bench_hello(self.worker_id)).SerializeToString()
+        self.rate = steps_per_s
+        self.batch = 6 + index % 5  # 6..10 requests per step, mean 8
+        self.offset = self.rng.random() * FLUSH_S  # stagger the ticks
+        # τ for a chain of depth 3 with per-position acceptance ALPHA, as a cycle (prime length).
+        self.acc = [self._accepted() for _ in range(1009)]
+        self.acc_i = 0
+        self.step_id = 0
+        self.next_request = 0
+        self.slots = [self._new_request() for _ in range(self.batch)]
+        self.produced = 0
+        self.sent = 0
+        self.dropped = 0
+        self.dropped_unreported = 0
+
+    def _accepted(self) -> int:
+        a = 0
+        while a < CHAIN_DEPTH and self.rng.random() < ALPHA:
+            a += 1
+        return a
+
+    def _new_request(self) -> list:
+        rid = f"{self.worker_id}-r{self.next_request}"
+        self.next_request += 1
+        ctx = int(math.exp(self.rng.uniform(math.log(200), math.log(40_000))))
+        lifetime = self.rng.randint(64, 512)
+        # [id field bytes, id, context_len, steps left, generated, accepted, steps]
+        return [field_bytes(0x0A, rid.encode()), rid, ctx, lifetime, 0, 0, 0]
+
+    def encode_step(self, timestamp: float, finished: list[bytes]) -> bytes:
+        self.step_id += 1
+        acc, i, n = self.acc, self.acc_i, len(self.acc)
+        parts = []
+        kv = 0
+        slots = self.slots
+        for k, s in enumerate(slots):
+            a = acc[i]
+            i = i + 1 if i + 1 < n else 0
+            ctx = s[2]
+            body = s[0] + b"\x10" + varint(ctx) + _CHAIN_TAIL[a]
+            parts.append(b"\x32" + varint(len(body)) + body)
+            kv += ctx
+            s[2] = ctx + a + 1
+            s[3] -= 1
+            s[4] += a + 1
+            s[5] += a
+            s[6] += 1
+            if s[3] <= 0:
+                finished.append(worker_pb2.WorkerMessage(finished=worker_pb2.RequestFinished(
+                    request_id=s[1], generated_tokens=s[4], steps=s[6], accepted_tokens=s[5],
+                    timestamp=timestamp)).SerializeToString())
+                slots[k] = self._new_request()
+        self.acc_i = i
+        b = len(slots)
+        verify_ms = max(10.0 + 2.5e-5 * kv, 0.06 * b * (1 + CHAIN_DEPTH))
+        draft_ms = 0.3 + 0.4 * CHAIN_DEPTH + 0.002 * CHAIN_DEPTH * b
+        return (b"\x08" + varint(self.step_id)
+                + _STEP_TAIL.pack(0x11, timestamp, 0x18, b, 0x21, draft_ms, 0x29, verify_ms)
+                + b"".join(parts))
+
+    def due_messages(self, elapsed_s: float, timestamp: float) -> tuple[list[bytes], int]:
+        """Messages for the steps produced by now (≤ 64 steps each); steps beyond
+        a 4096-step backlog are dropped and reported, as the agent does."""
+        self.produced = int(elapsed_s * self.rate)
+        backlog = self.produced - self.sent - self.dropped
+        if backlog > QUEUE_STEPS:
+            self.dropped += backlog - QUEUE_STEPS
+            self.dropped_unreported += backlog - QUEUE_STEPS
+            backlog = QUEUE_STEPS
+        if backlog <= 0:
+            return [], 0
+        out: list[bytes] = []
+        finished: list[bytes] = []
+        left = backlog
+        while left > 0:
+            chunk = min(left, MAX_STEPS_PER_MESSAGE)
+            body = b"".join(field_bytes(0x0A, self.encode_step(timestamp, finished)) for _ in range(chunk))
+            if self.dropped_unreported:
+                body += b"\x10" + varint(self.dropped_unreported)
+                self.dropped_unreported = 0
+            out.append(field_bytes(0x12, body))
+            left -= chunk
+        out.extend(finished)
+        return out, backlog
+
+
+# ---------------------------------------------------------- load generator
+
+@dataclass
+class PhaseConfig:
+    name: str
+    target: str
+    workers: int
+    steps_per_s: float
+    warmup_s: float
+    duration_s: float
+    seed: int = 0
+
+    @property
+    def channels(self) -> int:
+        return max(1, min(16, math.ceil(self.workers / STREAMS_PER_CHANNEL)))
+
+
+@dataclass
+class GenStats:
+    sent_steps: int = 0
+    sent_messages: int = 0
+    finished_sent: int = 0
+    plans: int = 0
+    request_decisions: int = 0
+    rejections: int = 0
+    last_rejection: str = ""
+    acks_sent: int = 0
+    stream_errors: int = 0
+    last_error: str = ""
+    error_times: list = None  # wall times of stream errors
+
+    def __post_init__(self) -> None:
+        self.error_times = []
+
+
+async def _status(get_status) -> dict:
+    t0 = time.time()
+    data = await get_status(controller_pb2.GetStatusRequest().SerializeToString(), timeout=STATUS_TIMEOUT_S)
+    t1 = time.time()
+    resp = controller_pb2.GetStatusResponse.FromString(data)
+    steps = sum(w.steps_ingested for w in resp.workers)
+    last = max((w.last_report_at for w in resp.workers), default=0.0)
+    return {"sent_at": t0, "received_at": t1, "rpc_ms": (t1 - t0) * 1000.0, "steps": steps, "last_report_at": last,
+            "workers": len(resp.workers), "connected": sum(w.connected for w in resp.workers)}
+
+
+async def _status_safe(get_status) -> dict:
+    try:
+        return await _status(get_status)
+    except grpc.aio.AioRpcError as err:
+        return {"error": f"{err.code().name}: {err.details()}"}
+
+
+def _result_or_error(task: asyncio.Task) -> dict:
+    if not task.done():
+        task.cancel()
+        return {"error": f"no answer within {STATUS_TIMEOUT_S:.0f} s"}
+    return task.result()
+
+
+async def _worker(w: SimWorker, call, st: GenStats, plans: list, load_t0: float, stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    lock = asyncio.Lock()
+
+    async def read() -> None:
+        while True:
+            data = await call.read()
+            if data is grpc.aio.EOF:
+                return
+            now = time.time()
+            msg = plan_pb2.ControllerMessage.FromString(data)
+            kind = msg.WhichOneof("payload")
+            if kind == "plan":
+                st.plans += 1
+                plans.append((msg.plan.created_at, now))
+                ack = worker_pb2.Ack(version=msg.plan.version, nonce=msg.plan.nonce)
+            elif kind == "request_decisions":
+                st.request_decisions += 1
+                ack = worker_pb2.Ack(version=msg.request_decisions.version, nonce=msg.request_decisions.nonce)
+            else:
+                st.rejections += 1
+                r = msg.rejection
+                st.last_rejection = f"{plan_pb2.RejectReason.Name(r.reason)} {r.field}: {r.detail}"
+                continue
+            async with lock:
+                await call.write(worker_pb2.WorkerMessage(ack=ack).SerializeToString())
+            st.acks_sent += 1
+
+    reader = asyncio.create_task(read())
+    try:
+        await call.write(w.hello_bytes)
+        next_tick = load_t0 + w.offset
+        while not stop.is_set():
+            delay = next_tick - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            next_tick += FLUSH_S
+            now = loop.time()
+            if next_tick < now:  # fell behind: no burst of ticks, the backlog carries the steps
+                next_tick = now + FLUSH_S
+            msgs, n = w.due_messages(now - load_t0, time.time())
+            if not msgs:
+                continue
+            async with lock:
+                for m in msgs:
+                    await call.write(m)
+            w.sent += n
+            st.sent_steps += n
+            st.sent_messages += len(msgs)
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # noqa: BLE001 - counted and reported; the stream is over
+        st.stream_errors += 1
+        st.error_times.append(time.time())
+        st.last_error = f"{type(err).__name__}: {err}"[:300]
+    finally:
+        reader.cancel()
+        call.cancel()
+
+
+async def run_phase(cfg: PhaseConfig, report: Callable[[dict], None]) -> dict:
+    """Drive ``cfg.workers`` streams against ``cfg.target``; return the measurements."""
+    loop = asyncio.get_running_loop()
+    options = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per channel
+    channels = [grpc.aio.insecure_channel(cfg.target, options=options) for _ in range(cfg.channels)]
+    status_channel = grpc.aio.insecure_channel(cfg.target, options=options)
+    get_status = status_channel.unary_unary(GET_STATUS)
+    st = GenStats()
+    plans: list[tuple[float, float]] = []
+    send_log: list[tuple[float, int, float]] = []  # (wall time, cumulative steps sent, process CPU s)
+    lags: list[float] = []
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task] = []
+    workers: list[SimWorker] = []
+    wall_t0 = time.time()
+    result: dict[str, Any] = {"phase": cfg.name}
+    try:
+        await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels + [status_channel])), 30)
+        workers = [SimWorker(i, cfg.steps_per_s, cfg.seed) for i in range(cfg.workers)]
+        connects = [ch.stream_stream(CONNECT) for ch in channels]
+        load_t0 = loop.time()
+        wall_t0 = time.time()
+        for i, w in enumerate(workers):
+            call = connects[i % len(connects)]()
+            tasks.append(asyncio.create_task(_worker(w, call, st, plans, load_t0, stop)))
+
+        async def log_sends() -> None:
+            while True:
+                due = loop.time() + 0.05
+                send_log.append((time.time(), st.sent_steps, time.process_time()))
+                await asyncio.sleep(0.05)
+                lags.append(max(0.0, (loop.time() - due) * 1000.0))
+
+        async def progress() -> None:
+            while True:
+                report({"phase": cfg.name, "elapsed": time.time() - wall_t0, "sent": st.sent_steps,
+                        "plans": st.plans})
+                await asyncio.sleep(0.25)
+
+        tasks.append(asyncio.create_task(log_sends()))
+        tasks.append(asyncio.create_task(progress()))
+        # The window is on the generator's clock; the GetStatus calls run beside
+        # the load (an overloaded controller may answer late, or not at all).
+        await asyncio.sleep(max(0.0, load_t0 + cfg.warmup_s - loop.time()))
+        result["window_wall"] = [time.time()]
+        before = asyncio.create_task(_status_safe(get_status))
+        await asyncio.sleep(max(0.0, load_t0 + cfg.warmup_s + cfg.duration_s - loop.time()))
+        result["window_wall"].append(time.time())
+        after = asyncio.create_task(_status_safe(get_status))
+        await asyncio.wait([before, after], timeout=STATUS_TIMEOUT_S)  # the load goes on meanwhile
+        result.update(before=_result_or_error(before), after=_result_or_error(after))
+    finally:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for ch in channels + [status_channel]:
+            await ch.close(grace=None)
+    result.update(asdict(st), plans_created_received=plans, send_log=send_log, loop_lag_ms=lags,
+                  channels=cfg.channels, wall_t0=wall_t0,
+                  dropped_steps=sum(w.dropped for w in workers), produced_steps=sum(w.produced for w in workers))
+    return result
+
+
+def generator_child(conn) -> None:
+    """``multiprocessing`` target: run phases on command until told to stop."""
+    try:
+        while True:
+            cmd, payload = conn.recv()
+            if cmd != "run":
+                break
+            cfg = PhaseConfig(**payload)
+            deadline = cfg.warmup_s + cfg.duration_s + 2 * STATUS_TIMEOUT_S + 60.0
+            try:
+                result = asyncio.run(asyncio.wait_for(run_phase(cfg, lambda p: conn.send(("progress", p))), deadline))
+            except Exception as err:  # noqa: BLE001 - reported to the parent
+                conn.send(("error", f"load generator, phase {cfg.name}: {type(err).__name__}: {err}"))
+                continue
+            conn.send(("result", result))
+    except (EOFError, OSError, KeyboardInterrupt):
+        pass
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------------- controller child
+
+class SectionTimers:
+    """Wraps the controller's entry points on the instance and sums their CPU time."""
+
+    SECTIONS = ("ingest", "plan_updates", "run_policy", "status", "ack", "finished")
+
+    def __init__(self, ctl) -> None:
+        self.seconds = {k: 0.0 for k in self.SECTIONS}
+        self.calls = {k: 0 for k in self.SECTIONS}
+        self.ack_rtt: list[tuple[float, float]] = []  # (wall time, send→ACK ms)
+        for name in self.SECTIONS:
+            setattr(ctl, name, self._wrap(name, getattr(ctl, name)))
+        inner_ack = ctl.ack
+
+        def ack(state, msg):
+            rejection = inner_ack(state, msg)
+            if rejection is None and state.plan_push_ms:
+                self.ack_rtt.append((time.time(), state.plan_push_ms[-1]))
+            return rejection
+
+        ctl.ack = ack
+
+    def _wrap(self, name: str, fn):
+        # Thread CPU time, not wall time: the host may be shared, and a
+        # preempted section would otherwise look slow.
+        seconds, calls, clock = self.seconds, self.calls, time.thread_time
+
+        def timed(*args, **kwargs):
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += clock() - t
+                calls[name] += 1
+
+        return timed
+
+    def snapshot(self) -> dict:
+        out = {f"s_{k}": v for k, v in self.seconds.items()}
+        out.update({f"n_{k}": v for k, v in self.calls.items()})
+        return out
+
+
+async def _controller_main(conn, profile_dir: str | None) -> None:
+    from controller.config import ServerConfig
+    from controller.server import start_server
+
+    running = await start_server(ServerConfig(listen="127.0.0.1:0"), "127.0.0.1:0")
+    loop_errors: list[str] = []
+
+    def on_loop_error(loop, context) -> None:
+        exc = context.get("exception")
+        loop_errors.append(f"{context.get('message')}: {type(exc).__name__}: {exc}"[:500])
+
+    asyncio.get_running_loop().set_exception_handler(on_loop_error)
+    ctl = running.controller
+    timers = SectionTimers(ctl)
+    workers = ctl.workers
+    sampler = Sampler(lambda: {"steps": sum(s.steps_ingested for s in workers.values()), **timers.snapshot()})
+    sampler_task = asyncio.create_task(sampler.run())
+    profiler = cProfile.Profile() if profile_dir else None
+    conn.send(("ready", running.port))
+    if profiler is not None:
+        profiler.enable()
+    open_streams, queue_dropped = 0, 0
+    try:
+        await wait_for_stop(conn)
+        open_streams = len(running.servicer.streams)
+        queue_dropped = sum(s.dropped for s in running.servicer.streams.values())
+    finally:
+        if profiler is not None:
+            profiler.disable()
+        sampler_task.cancel()
+        sampler.sample(0.0)
+        await running.stop(0)
+    stats = {"samples": sampler.samples, "peak_rss_mb": peak_rss_mb(), "ack_rtt": timers.ack_rtt,
+             "policy": ctl.policy.name, "rejections": {int(k): v for k, v in ctl.rejections.items()},
+             "workers": len(workers), "steps": sum(s.steps_ingested for s in workers.values()),
+             "send_queue_dropped": queue_dropped, "open_streams_at_stop": open_streams, "loop_errors": loop_errors[:20],
+             "loop_error_count": len(loop_errors)}
+    if profiler is not None:
+        path = Path(profile_dir)
+        profiler.dump_stats(str(path / "controller.prof"))
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        (path / "controller_profile.txt").write_text(text.getvalue())
+        stats["profile"] = str(path / "controller_profile.txt")
+    conn.send(("stats", stats))
+
+
+def controller_child(conn, profile_dir: str | None = None) -> None:
+    """``multiprocessing`` target: the real controller until the parent says stop."""
+    try:
+        asyncio.run(_controller_main(conn, profile_dir))
+    except Exception as err:  # noqa: BLE001 - reported, then exit non-zero
+        try:
+            conn.send(("error", f"controller: {type(err).__name__}: {err}"))
+        except OSError:
+            pass
+        raise
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------------------ decide bench
+
+def bench_agent_decide(batches: int = 20, calls: int = 10_000, seed: int = 0) -> list[float]:
+    """µs per ``SpeculationAgent.decide`` call, one value per batch of ``calls``.
+
+    The plan is what the real goodput policy pushes to a fresh worker,
+    installed through the agent's own apply path (``compile_plan``); 5 % of
+    the request ids carry a per-request override, as the policy's probes do.
+    """
+    from controller.config import ServerConfig
+    from controller.core import Controller
+    from policies.presets import load_preset
+    from worker.agent import SpeculationAgent, compile_plan
+
+    hello = bench_hello("decide-bench")
+    ctl = Controller(ServerConfig(), load_preset("goodput"))
+    updates = ctl.plan_updates(ctl.hello(hello), force=True)
+    plan = next(u for u in updates if isinstance(u, plan_pb2.Plan))
+    compile_plan(plan, hello, 0)  # raises if the plan does not compile
+    agent = SpeculationAgent(hello, "127.0.0.1:1")  # never started: no network
+    if agent._apply_plan(plan).WhichOneof("payload") != "ack":
+        raise BenchError("the agent refused the goodput plan")
+    rng = random.Random(seed)
+    rids = [f"req-{i}" for i in range(256)]
+    overridden = rids[::20]
+    msg = plan_pb2.RequestDecisions(version=plan.version + 1, nonce="bench", decisions=[
+        plan_pb2.RequestDecision(request_id=r, decision=plan_pb2.Decision(depth=2, width=1, max_nodes=2),
+                                 reason="explore") for r in overridden])
+    if agent._apply_decisions(msg).WhichOneof("payload") != "ack":
+        raise BenchError("the agent refused the request decisions")
+    inputs = [(rng.choice(rids), int(math.exp(rng.uniform(math.log(50), math.log(200_000)))), rng.randint(1, 256))
+              for _ in range(calls)]
+    decide = agent.decide
+    out = []
+    for _ in range(batches):
+        t = time.perf_counter()
+        for rid, ctx, batch in inputs:
+            decide(rid, ctx, batch)
+        out.append((time.perf_counter() - t) / calls * 1e6)
+    return out
+
+
+# ---------------------------------------------------------------- analysis
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _interp(log: list[tuple], t: float, col: int) -> float:
+    """Linear interpolation of column ``col`` of a time-ordered log at time ``t``."""
+    if not log:
+        return 0.0
+    if t <= log[0][0]:
+        return float(log[0][col])
+    for a, b in zip(log, log[1:]):
+        if a[0] <= t <= b[0]:
+            if b[0] == a[0]:
+                return float(b[col])
+            return a[col] + (b[col] - a[col]) * (t - a[0]) / (b[0] - a[0])
+    return float(log[-1][col])
+
+
+def _sample_window(samples: list[dict], t0: float, t1: float, key: str) -> float | None:
+    rows = [(s["t"], s[key]) for s in samples if key in s]
+    if len(rows) < 2 or t1 <= t0:
+        return None
+    return (_interp(rows, t1, 1) - _interp(rows, t0, 1)) / (t1 - t0)
+
+
+def _status_note(s: dict) -> str:
+    return s["error"] if "error" in s else f"answered after {s['rpc_ms'] / 1000:.1f} s"
+
+
+def summarize_phase(res: dict, server: dict) -> dict:
+    before, after = res["before"], res["after"]
+    samples = server.get("samples", [])
+    w0, w1 = res["window_wall"]
+    internal = _sample_window(samples, w0, w1, "steps")
+    prompt = max(1000.0, 100.0 * (w1 - w0))  # ms: a status answered later than this is not "at" the window edge
+    status_ok = "error" not in before and "error" not in after
+    if status_ok and before["rpc_ms"] <= prompt and after["rpc_ms"] <= prompt:
+        if before["last_report_at"] > 0 and after["last_report_at"] > before["last_report_at"]:
+            t0, t1 = before["last_report_at"], after["last_report_at"]
+            how = "GetStatus; window between the snapshots' newest last_report_at"
+        else:
+            t0 = (before["sent_at"] + before["received_at"]) / 2
+            t1 = (after["sent_at"] + after["received_at"]) / 2
+            how = "GetStatus; window between the calls' midpoints"
+        span = max(t1 - t0, 1e-9)
+        ingested = (after["steps"] - before["steps"]) / span
+    else:
+        # GetStatus failed or answered too late to stand for the window edges:
+        # the server child's own Σ steps_ingested, sampled with timestamps on
+        # its event loop, over the generator's window.
+        t0, t1 = w0, w1
+        span = max(t1 - t0, 1e-9)
+        ingested = internal or 0.0
+        how = (f"server-internal step counter (GetStatus before: {_status_note(before)}; "
+               f"after: {_status_note(after)})")
+    log = [(t, n, c) for t, n, c in res["send_log"]]
+    offered = (_interp(log, t1, 1) - _interp(log, t0, 1)) / span
+    gen_cpu = (_interp(log, t1, 2) - _interp(log, t0, 2)) / span
+    srv_cpu = _sample_window(samples, t0, t1, "cpu")
+    lag = [s["lag_ms"] for s in samples if t0 <= s["t"] <= t1]
+    out = {
+        "window_s": span, "window_from": how, "offered": offered, "ingested": ingested,
+        "ingested_internal_counter": internal,
+        "workers_registered": after.get("workers", server.get("workers")),
+        "generator_cpu_util": gen_cpu, "generator_loop_lag_ms_p99": _percentile(res["loop_lag_ms"], 99),
+        "server_cpu_util": srv_cpu, "server_loop_lag_ms_p50": _percentile(lag, 50),
+        "server_loop_lag_ms_p99": _percentile(lag, 99), "server_peak_rss_mb": server.get("peak_rss_mb"),
+        "status_rpc_ms": [before.get("rpc_ms"), after.get("rpc_ms")],
+        "workers_connected": after.get("connected"), "rejections": res["rejections"],
+        "stream_errors": res["stream_errors"], "dropped_steps": res["dropped_steps"],
+        "messages_sent": res["sent_messages"], "t0": t0, "t1": t1,
+    }
+    if res["last_rejection"]:
+        out["last_rejection"] = res["last_rejection"]
+    if res["last_error"]:
+        out["last_stream_error"] = res["last_error"]
+    sections = {}
+    for name in SectionTimers.SECTIONS:
+        share = _sample_window(samples, t0, t1, f"s_{name}")
+        if share is not None:
+            sections[name] = {"cpu_share": share, "calls_per_s": _sample_window(samples, t0, t1, f"n_{name}")}
+    if sections:
+        out["sections"] = sections
+        d_steps = _sample_window(samples, t0, t1, "steps")
+        if d_steps and "ingest" in sections:
+            out["ingest_us_per_step"] = sections["ingest"]["cpu_share"] / d_steps * 1e6
+        pol = sections.get("run_policy")
+        if pol and pol["calls_per_s"]:
+            out["run_policy_ms_mean"] = pol["cpu_share"] / pol["calls_per_s"] * 1000.0
+    return out
+
+
+def _rate_series(log: list[tuple[float, float]], t_ref: float, step: float = 0.5) -> tuple[list[float], list[float]]:
+    """(time since t_ref, rate) from a cumulative (time, count) log, resampled every ``step`` s."""
+    if len(log) < 2:
+        return [], []
+    ts, rates = [], []
+    t = log[0][0]
+    while t + step <= log[-1][0]:
+        rates.append((_interp(log, t + step, 1) - _interp(log, t, 1)) / step)
+        ts.append(t + step / 2 - t_ref)
+        t += step
+    return ts, rates
+
+
+def write_plot(path: Path, results: dict, series: dict, push_ms: list[float]) -> None:
+    from matplotlib.figure import Figure  # Agg canvas; no pyplot, no global backend
+
+    fig = Figure(figsize=(15, 4.6), layout="constrained")
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    target = results["workers"] * results["steps_per_s_target"]
+    names = ["offered", "controller\ningested", "bare gRPC\n(echo)"]
+    values = [results["steps_per_s_offered"], results["steps_per_s_ingested"], results["bare_grpc_msgs_per_s"]]
+    bars = ax1.bar(names, values, color=["#8da0cb", "#fc8d62", "#66c2a5"])
+    ax1.bar_label(bars, labels=[f"{v:,.0f}" for v in values])
+    ax1.axhline(target, color="k", ls="--", lw=1, label=f"target {results['workers']}×{results['steps_per_s_target']:g}")
+    ax1.set_ylim(0, 1.2 * max(values + [target]))
+    ax1.set_ylabel("steps / s")
+    ax1.set_title("Telemetry throughput (measured window)")
+    ax1.legend(loc="upper center")
+    for label, (ts, rates), style in (("offered (controller phase)", series["offered"], ":"),
+                                      ("controller ingested", series["ingested"], "-"),
+                                      ("bare echo ingested", series["bare"], "--")):
+        if ts:
+            ax2.plot(ts, rates, style, label=label)
+    ax2.axhline(target, color="k", ls="--", lw=0.8)
+    ax2.set_xlabel("s since the measured window opened")
+    ax2.set_ylabel("steps / s")
+    ax2.set_title("Rate over time (0.5 s bins)")
+    ax2.legend(fontsize=8)
+    if push_ms:
+        lo = max(min(push_ms), 1e-3)
+        hi = max(max(push_ms), lo * 10)
+        bins = [lo * (hi / lo) ** (i / 40) for i in range(41)]
+        ax3.hist(push_ms, bins=bins, color="#fc8d62")
+        ax3.set_xscale("log")
+        for q, val in (("p50", results["plan_push_ms_p50"]), ("p99", results["plan_push_ms_p99"])):
+            if val is not None:
+                ax3.axvline(val, color="k", lw=1, ls="-" if q == "p50" else "--", label=f"{q} {val:.2f} ms")
+        ax3.axvline(GOAL_PUSH_P99_MS, color="r", lw=1, ls=":", label=f"goal p99 ≤ {GOAL_PUSH_P99_MS:g} ms")
+        ax3.legend(fontsize=8)
+    else:
+        ax3.text(0.5, 0.5, "no plans received", ha="center", va="center", transform=ax3.transAxes)
+    ax3.set_xlabel("Plan.created_at → received at worker (ms)")
+    ax3.set_ylabel("plans")
+    ax3.set_title(f"Plan push latency ({results['plan_push_samples']} plans, {results['plan_push_scope']})")
+    fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------- orchestration
+
+def _stop_process(proc, conn=None, grace_s: float = 10.0) -> None:
+    if proc is None:
+        return
+    if conn is not None:
+        try:
+            conn.send(("stop", None))
+        except (OSError, ValueError):
+            pass
+    proc.join(grace_s)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+def _expect(conn, proc, kind: str, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.1):
+            got, payload = conn.recv()
+            if got == kind:
+                return payload
+            if got == "error":
+                raise BenchError(payload)
+        elif not proc.is_alive():
+            raise BenchError(f"{proc.name} exited with code {proc.exitcode} before sending {kind!r}")
+    raise BenchError(f"{proc.name} sent no {kind!r} within {timeout_s:.0f} s")
+
+
+def _run_phase(ctx, gen, gen_conn, name: str, server_target, server_args: tuple, cfg: dict, progress, task) -> tuple[dict, dict]:
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=server_target, args=(child, *server_args), name=f"specctl-bench-{name}", daemon=True)
+    proc.start()
+    child.close()
+    try:
+        port = _expect(parent, proc, "ready", READY_TIMEOUT_S)
+        gen_conn.send(("run", dict(cfg, name=name, target=f"127.0.0.1:{port}")))
+        total = cfg["warmup_s"] + cfg["duration_s"]
+        deadline = time.monotonic() + total + 2 * STATUS_TIMEOUT_S + 90.0
+        result = None
+        while result is None:
+            if time.monotonic() > deadline:
+                raise BenchError(f"phase {name}: the load generator did not finish in time")
+            if not gen_conn.poll(0.25):
+                if not gen.is_alive():
+                    raise BenchError(f"load generator exited with code {gen.exitcode}")
+                if not proc.is_alive():
+                    raise BenchError(f"{proc.name} exited with code {proc.exitcode}")
+                continue
+            kind, payload = gen_conn.recv()
+            if kind == "progress":
+                progress.update(task, completed=min(payload["elapsed"], total),
+                                description=f"{name}: {payload['sent']:,} steps sent, {payload['plans']:,} plans")
+            elif kind == "result":
+                result = payload
+            elif kind == "error":
+                raise BenchError(payload)
+        progress.update(task, completed=total)
+        parent.send(("stop", None))
+        stats = _expect(parent, proc, "stats", 60.0)
+        return result, stats
+    finally:
+        _stop_process(proc, parent)
+        parent.close()
+
+
+def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duration_s: float = 10.0,
+                         steps_per_s: float = 50.0, *, warmup_s: float | None = None,
+                         profile: bool | None = None, decide_batches: int = 20, decide_calls: int = 10_000,
+                         console=None) -> int:
+    """Run the benchmark; write ``controller.json`` and ``controller.png`` into ``out_dir``.
+
+    Returns 0 when the benchmark ran (goals met or not: they are reported),
+    1 when it could not run.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    if workers < 1 or duration_s <= 0 or steps_per_s <= 0:
+        console.print(f"[red]specctl bench controller: workers={workers}, duration={duration_s}, "
+                      f"steps_per_s={steps_per_s} must be positive")
+        return 2
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if profile is None:
+        profile = os.environ.get("SPECCTL_BENCH_PROFILE", "") not in ("", "0")
+    warmup = warmup_s if warmup_s is not None else min(2.0, max(0.5, duration_s / 5))
+    cfg = {"workers": workers, "steps_per_s": steps_per_s, "warmup_s": warmup, "duration_s": duration_s}
+    ctx = mp.get_context("spawn")
+    load_before = os.getloadavg()
+    phase_s: dict[str, float] = {}
+    started = time.monotonic()
+    gen_conn, gen_child_conn = ctx.Pipe()
+    gen = ctx.Process(target=generator_child, args=(gen_child_conn,), name="specctl-bench-generator", daemon=True)
+    try:
+        gen.start()
+        gen_child_conn.close()
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                      TimeElapsedColumn(), console=console, transient=False) as progress:
+            t_bare = progress.add_task("bare gRPC echo", total=warmup + duration_s)
+            t_ctl = progress.add_task("controller", total=warmup + duration_s, start=True)
+            t_dec = progress.add_task("agent.decide", total=decide_batches)
+            t = time.monotonic()
+            bare_res, bare_srv = _run_phase(ctx, gen, gen_conn, "bare", echo_child, (), cfg, progress, t_bare)
+            phase_s["bare"] = time.monotonic() - t
+            t = time.monotonic()
+            ctl_res, ctl_srv = _run_phase(ctx, gen, gen_conn, "controller", controller_child,
+                                          (str(out) if profile else None,), cfg, progress, t_ctl)
+            phase_s["controller"] = time.monotonic() - t
+            _stop_process(gen, gen_conn)
+            t = time.monotonic()
+            decide_us = bench_agent_decide(batches=decide_batches, calls=decide_calls)
+            progress.update(t_dec, completed=decide_batches)
+            phase_s["decide"] = time.monotonic() - t
+    except (BenchError, OSError) as err:
+        console.print(f"[red]specctl bench controller: {err}")
+        return 1
+    finally:
+        _stop_process(gen, gen_conn)
+        gen_conn.close()
+
+    bare = summarize_phase(bare_res, bare_srv)
+    ctl = summarize_phase(ctl_res, ctl_srv)
+    # Plan push latency: plans created inside the measured window (else the whole run, flagged).
+    created = [(c, r) for c, r in ctl_res["plans_created_received"]]
+    in_window = [(r - c) * 1000.0 for c, r in created if ctl["t0"] <= c <= ctl["t1"]]
+    scope = "window"
+    push = in_window
+    if not push:
+        push = [(r - c) * 1000.0 for c, r in created]
+        scope = "whole run (no plan created in the window)"
+    rtt_all = [ms for _, ms in ctl_srv.get("ack_rtt", [])]
+    rtt_window = [ms for t, ms in ctl_srv.get("ack_rtt", []) if ctl["t0"] <= t <= ctl["t1"]] or rtt_all
+    results: dict[str, Any] = {
+        "workers": workers,
+        "steps_per_s_offered": ctl["offered"],
+        "steps_per_s_ingested": ctl["ingested"],
+        "plan_push_ms_p50": _percentile(push, 50),
+        "plan_push_ms_p99": _percentile(push, 99),
+        "bare_grpc_msgs_per_s": bare["ingested"],
+        "ingest_vs_bare_ratio": ctl["ingested"] / bare["ingested"] if bare["ingested"] > 0 else None,
+        "agent_decide_us_median": _percentile(decide_us, 50),
+        # ---- extras
+        "steps_per_s_target": steps_per_s,
+        "target_steps_per_s_total": workers * steps_per_s,
+        "duration_s": duration_s,
+        "warmup_s": warmup,
+        "bare_steps_per_s_offered": bare["offered"],
+        "plan_push_samples": len(push),
+        "plan_push_scope": scope,
+        "plan_push_ms_max": max(push) if push else None,
+        "plans_received": ctl_res["plans"],
+        "request_decisions_received": ctl_res["request_decisions"],
+        "plan_ack_rtt_ms_p50": _percentile(rtt_window, 50),
+        "plan_ack_rtt_ms_p99": _percentile(rtt_window, 99),
+        "agent_decide_us_batches": decide_us,
+        "controller": {k: v for k, v in ctl.items() if k not in ("t0", "t1")},
+        "bare": {k: v for k, v in bare.items() if k not in ("t0", "t1", "sections")},
+        "controller_peak_rss_mb": ctl_srv.get("peak_rss_mb"),
+        "controller_rejections": ctl_srv.get("rejections", {}),
+        "controller_send_queue_dropped": ctl_srv.get("send_queue_dropped"),
+        "controller_open_streams_at_stop": ctl_srv.get("open_streams_at_stop"),
+        "controller_loop_errors": ctl_srv.get("loop_errors"),
+        "controller_loop_error_count": ctl_srv.get("loop_error_count"),
+        "generator_stream_error_offsets_s": [round(t - ctl_res["wall_t0"], 2) for t in ctl_res["error_times"][:50]],
+        "phase_seconds": phase_s,
+        "total_seconds": time.monotonic() - started,
+        "profiled": bool(profile),
+        "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+    }
+    if profile and "profile" in ctl_srv:
+        results["controller_profile"] = ctl_srv["profile"]
+    target = workers * steps_per_s
+    p99, ratio, dec = results["plan_push_ms_p99"], results["ingest_vs_bare_ratio"], results["agent_decide_us_median"]
+    results.update(
+        goal_sustained_256x50=bool(workers >= GOAL_WORKERS and steps_per_s >= GOAL_STEPS_PER_S
+                                   and ctl["ingested"] >= SUSTAINED * target),
+        goal_keeps_up_at_this_load=bool(ctl["ingested"] >= SUSTAINED * target),
+        goal_plan_push_p99_le_5ms=bool(p99 is not None and p99 <= GOAL_PUSH_P99_MS),
+        goal_ingest_ge_half_bare=bool(ratio is not None and ratio >= GOAL_INGEST_VS_BARE),
+        goal_decide_le_10us=bool(dec is not None and dec <= GOAL_DECIDE_US),
+    )
+    (out / "controller.json").write_text(json.dumps(results, indent=2))
+    t_ref = ctl["t0"]
+    series = {
+        "offered": _rate_series([(t, n) for t, n, _ in ctl_res["send_log"]], t_ref),
+        "ingested": _rate_series([(s["t"], s["steps"]) for s in ctl_srv.get("samples", [])], t_ref),
+        "bare": _rate_series([(s["t"], s["steps"]) for s in bare_srv.get("samples", [])], bare["t0"]),
+    }
+    write_plot(out / "controller.png", results, series, push)
+    _print_table(console, results, ctl, bare, out)
+    return 0
+
+
+def _fmt(v, unit: str = "", digits: int = 1) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}{unit}"
+    return f"{v}{unit}"
+
+
+def _print_table(console, r: dict, ctl: dict, bare: dict, out: Path) -> None:
+    from rich.table import Table
+
+    def goal(ok: bool) -> str:
+        return "[green]met[/]" if ok else "[red]not met[/]"
+
+    t = Table(title=f"specctl bench controller — {r['workers']} workers × {r['steps_per_s_target']:g} steps/s "
+                    f"({r['duration_s']:g} s window)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_column("goal")
+    t.add_row("steps/s offered", _fmt(r["steps_per_s_offered"]), f"target {r['target_steps_per_s_total']:,.0f}")
+    t.add_row("steps/s ingested (controller)", _fmt(r["steps_per_s_ingested"]),
+              goal(r["goal_sustained_256x50"]) + " (≥256×50 sustained)")
+    t.add_row("bare gRPC echo steps/s", _fmt(r["bare_grpc_msgs_per_s"]), "")
+    t.add_row("ingest / bare", _fmt(r["ingest_vs_bare_ratio"], digits=3), goal(r["goal_ingest_ge_half_bare"]) + " (≥ 0.5)")
+    t.add_row("plan push p50 / p99 (ms)",
+              f"{_fmt(r['plan_push_ms_p50'], digits=2)} / {_fmt(r['plan_push_ms_p99'], digits=2)}",
+              goal(r["goal_plan_push_p99_le_5ms"]) + f" (p99 ≤ 5 ms; {r['plan_push_samples']} plans, {r['plan_push_scope']})")
+    t.add_row("plan send→ACK p50 / p99 (ms, server)",
+              f"{_fmt(r['plan_ack_rtt_ms_p50'], digits=2)} / {_fmt(r['plan_ack_rtt_ms_p99'], digits=2)}", "")
+    t.add_row("agent.decide median (µs)", _fmt(r["agent_decide_us_median"], digits=3),
+              goal(r["goal_decide_le_10us"]) + " (≤ 10 µs)")
+    t.add_row("workers registered at the controller", f"{ctl.get('workers_registered')} of {r['workers']}", "")
+    t.add_row("controller ingest µs/step / run_policy ms",
+              f"{_fmt(ctl.get('ingest_us_per_step'))} / {_fmt(ctl.get('run_policy_ms_mean'), digits=2)}", "")
+    t.add_row("controller CPU / loop lag p99", f"{_fmt(ctl['server_cpu_util'], digits=2)} / "
+              f"{_fmt(ctl['server_loop_lag_ms_p99'], ' ms')}", "")
+    for name, s in (ctl.get("sections") or {}).items():
+        if s["cpu_share"] and s["cpu_share"] > 0.005:
+            t.add_row(f"  controller CPU in {name}", f"{s['cpu_share']:.0%} ({_fmt(s['calls_per_s'], '/s', 0)})", "")
+    t.add_row("generator CPU (controller / bare phase)",
+              f"{_fmt(ctl['generator_cpu_util'], digits=2)} / {_fmt(bare['generator_cpu_util'], digits=2)}", "")
+    t.add_row("controller peak RSS", _fmt(r["controller_peak_rss_mb"], " MiB"), "")
+    t.add_row("rejections / stream errors / dropped steps",
+              f"{ctl['rejections']} / {ctl['stream_errors']} / {ctl['dropped_steps']}", "")
+    t.add_row("host load average before / after",
+              f"{r['host']['loadavg_before'][0]:.2f} / {r['host']['loadavg_after'][0]:.2f} ({r['host']['cpus']} CPUs)", "")
+    console.print(t)
+    console.print(f"wrote {out / 'controller.json'} and {out / 'controller.png'}")

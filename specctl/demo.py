@@ -1,0 +1,161 @@
+"""``specctl demo``: the controller and a simulated GPU fleet over real gRPC.
+
+The controlled fleet runs in real time (scaled so the scenario fits the
+requested duration) with a live table per worker. Meanwhile a second
+process replays the same scenario — same seeds, so the same arrivals — with
+speculation always on at the static preset's depth and always off; the
+summary compares goodput (tokens per second of GPU step time) and TPOT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import multiprocessing
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from controller.config import ServerConfig
+from controller.server import start_server
+from policies.presets import load_preset
+from policies.table import Decision
+from worker.agent import AgentOptions, SpeculationAgent
+from worker.sim.hello import hello_proto
+from worker.sim.runner import run_fleet_simulated, run_realtime
+from worker.sim.scenario import load_scenario
+from worker.sim.worker import SimWorker, StepResult
+
+REFRESH_S = 0.5
+WINDOW_STEPS = 200  # steps behind the live "recent" columns
+
+
+def static_on_decision() -> Decision:
+    """The static preset's decision: what an engine runs with a fixed depth."""
+    return Decision.chain(load_preset("static").config.depth)
+
+
+def run_fixed(scenario_name: str, decision: Decision) -> dict[str, dict]:
+    """The whole scenario in simulated time with one fixed decision (subprocess)."""
+    scenario = load_scenario(scenario_name)
+    fleet = SimWorker.fleet(scenario)
+    run_fleet_simulated(fleet, lambda rid, ctx, batch: decision, scenario.duration_s)
+    return {w.worker_id: w.stats.summary() for w in fleet}
+
+
+@dataclass
+class LiveView:
+    """Recent steps per worker, for the live table."""
+
+    recent: dict[str, deque] = field(default_factory=dict)
+
+    def record(self, worker_id: str, result: StepResult) -> None:
+        if result.telemetry is None:
+            return
+        t = result.telemetry
+        accepted = [r.accepted for r in t.requests if r.depth > 0]
+        ctx = sum(r.context_len for r in t.requests) / max(1, len(t.requests))
+        tokens = sum(r.accepted + 1 for r in t.requests)
+        self.recent.setdefault(worker_id, deque(maxlen=WINDOW_STEPS)).append(
+            (t.batch_size, ctx, tokens, t.draft_ms + t.verify_ms, sum(accepted), len(accepted)))
+
+
+def live_table(workers: list[SimWorker], agents: list[SpeculationAgent], view: LiveView, controller,
+               sim_now: float, duration: float) -> Table:
+    table = Table(title=f"specctl demo — simulated t = {sim_now:5.0f} s of {duration:.0f} s  (policy: {controller.policy.name})")
+    for col in ("worker", "drafter", "batch", "mean ctx", "decision", "plan v", "est. τ", "obs. τ", "goodput tok/s"):
+        table.add_column(col, justify="right" if col not in ("worker", "drafter", "decision") else "left")
+    for w, agent in zip(workers, agents):
+        rows = view.recent.get(w.worker_id)
+        if not rows:
+            table.add_row(w.worker_id, w.spec.drafter.kind, "-", "-", "-", str(agent.plan_version), "-", "-", "-")
+            continue
+        batch = sum(r[0] for r in rows) / len(rows)
+        ctx = sum(r[1] for r in rows) / len(rows)
+        goodput = 1000.0 * sum(r[2] for r in rows) / max(1e-9, sum(r[3] for r in rows))
+        spec_n = sum(r[5] for r in rows)
+        observed = f"{sum(r[4] for r in rows) / spec_n:.2f}" if spec_n else "off"
+        d = agent.decide("__live__", int(ctx), max(1, round(batch)))
+        decision = f"d={d.depth} w={d.width} n={d.max_nodes}" if d.depth else "off"
+        state = controller.workers.get(w.worker_id)
+        estimated = "-"
+        if state is not None and d.depth:
+            from policies.goodput import best_first_nodes
+
+            view_acc = controller.acceptance.view(state.drafter_key, state.limits.max_depth, state.limits.max_width)
+            bucket = controller.acceptance.context_bucket(int(ctx))
+            nodes = best_first_nodes(view_acc.rank_probs(bucket), d.depth, d.width, d.max_nodes)
+            estimated = f"{nodes.expected_accepted(d.max_nodes):.2f}"
+        table.add_row(w.worker_id, w.spec.drafter.kind, f"{batch:.0f}", f"{ctx:,.0f}", decision,
+                      str(agent.plan_version), estimated, observed, f"{goodput:,.0f}")
+    return table
+
+
+def summary_table(controlled: dict[str, dict], always_on: dict[str, dict], always_off: dict[str, dict],
+                  on_label: str) -> Table:
+    table = Table(title="Goodput (tokens per second of step time), same arrivals under each strategy")
+    for col in ("worker", "controller", on_label, "always off", "vs on", "vs off", "TPOT ms (ctl/on/off)"):
+        table.add_column(col, justify="right" if col != "worker" else "left")
+    totals = {"ctl": [0.0, 0.0], "on": [0.0, 0.0], "off": [0.0, 0.0]}
+    for wid, ctl in controlled.items():
+        on, off = always_on[wid], always_off[wid]
+        for key, s in (("ctl", ctl), ("on", on), ("off", off)):
+            totals[key][0] += s["tokens"]
+            totals[key][1] += s["busy_s"]
+        table.add_row(wid, f"{ctl['goodput_tok_s']:,.0f}", f"{on['goodput_tok_s']:,.0f}", f"{off['goodput_tok_s']:,.0f}",
+                      f"{ctl['goodput_tok_s'] / on['goodput_tok_s']:.2f}x", f"{ctl['goodput_tok_s'] / off['goodput_tok_s']:.2f}x",
+                      f"{ctl['tpot_ms_mean']:.1f} / {on['tpot_ms_mean']:.1f} / {off['tpot_ms_mean']:.1f}")
+    fleet = {k: v[0] / v[1] if v[1] else 0.0 for k, v in totals.items()}
+    table.add_row("fleet", f"{fleet['ctl']:,.0f}", f"{fleet['on']:,.0f}", f"{fleet['off']:,.0f}",
+                  f"{fleet['ctl'] / fleet['on']:.2f}x", f"{fleet['ctl'] / fleet['off']:.2f}x", "", style="bold")
+    return table
+
+
+async def _controlled_run(scenario_name: str, duration_s: float, policy: str, console: Console) -> dict[str, dict]:
+    scenario = load_scenario(scenario_name)
+    running = await start_server(ServerConfig(listen="127.0.0.1:0", policy=policy))
+    workers = SimWorker.fleet(scenario)
+    agents = [SpeculationAgent(hello_proto(w.hello), running.address, AgentOptions(fallback=Decision.off()))
+              for w in workers]
+    agent_tasks = [asyncio.create_task(a.run()) for a in agents]
+    view = LiveView()
+    time_scale = duration_s / scenario.duration_s
+    sims = [asyncio.create_task(run_realtime(w, a, scenario.duration_s, time_scale,
+                                             on_step=lambda r, wid=w.worker_id: view.record(wid, r)))
+            for w, a in zip(workers, agents)]
+    start = time.monotonic()
+    try:
+        with Live(console=console, refresh_per_second=4) as live:
+            while not all(t.done() for t in sims):
+                sim_now = min((time.monotonic() - start) / time_scale, scenario.duration_s)
+                live.update(live_table(workers, agents, view, running.controller, sim_now, scenario.duration_s))
+                await asyncio.sleep(REFRESH_S)
+            live.update(live_table(workers, agents, view, running.controller, scenario.duration_s, scenario.duration_s))
+        for task in sims:
+            task.result()
+    finally:
+        for agent in agents:
+            agent.stop()
+        await asyncio.gather(*agent_tasks, return_exceptions=True)
+        await running.stop(0)
+    return {w.worker_id: w.stats.summary() for w in workers}
+
+
+def run_demo(duration_s: float = 60.0, scenario: str = "demo", policy: str = "goodput") -> int:
+    console = Console()
+    on = static_on_decision()
+    console.print(f"[bold]specctl demo[/]: controller ({policy}) + simulated fleet '{scenario}' over gRPC for "
+                  f"~{duration_s:.0f} s; baselines (always on at depth {on.depth}, always off) run beside it.")
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        on_future = pool.submit(run_fixed, scenario, on)
+        off_future = pool.submit(run_fixed, scenario, Decision.off())
+        controlled = asyncio.run(_controlled_run(scenario, duration_s, policy, console))
+        with console.status("waiting for the baseline fleets to finish their replay…"):
+            always_on, always_off = on_future.result(), off_future.result()
+    console.print(summary_table(controlled, always_on, always_off, f"always on (d={on.depth})"))
+    return 0

@@ -1,0 +1,79 @@
+"""``specctl bench controller``: the hand-encoded telemetry is valid protocol,
+and a tiny run produces the JSON and PNG (no wall-clock assertions)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from bench.controller import JSON_KEYS, SimWorker, bench_hello, run_controller_bench
+from controller.protocol import drafter_limits, validate_finished, validate_step
+from protos.speculation.v1 import worker_pb2
+
+
+def test_generated_messages_are_valid_protocol():
+    w = SimWorker(3, steps_per_s=50.0, seed=1)
+    hello = worker_pb2.WorkerMessage.FromString(w.hello_bytes)
+    assert hello.WhichOneof("payload") == "hello" and hello.hello.worker_id == w.worker_id
+    limits = drafter_limits(bench_hello(w.worker_id))
+    last_step, steps, finished_ids, seen = 0, 0, set(), set()
+    # 600 steps: every request (lifetime 64..512 steps) finishes at least once.
+    for tick in range(1, 41):
+        msgs, n = w.due_messages(tick * 0.3, 1.7e9 + tick)
+        assert 0 < n <= 64 * len(msgs)
+        w.sent += n  # as the stream task does once the writes complete
+        for data in msgs:
+            msg = worker_pb2.WorkerMessage.FromString(data)
+            kind = msg.WhichOneof("payload")
+            if kind == "reports":
+                assert len(msg.reports.steps) <= 64
+                for i, step in enumerate(msg.reports.steps):
+                    validate_step(step, limits, f"steps[{i}]", last_step)
+                    last_step = step.step_id
+                    steps += 1
+                    assert step.batch_size == len(step.requests) == w.batch
+                    for r in step.requests:
+                        assert r.request_id not in finished_ids
+                        assert (r.depth, r.width, r.nodes) == (3, 1, 3)
+                        seen.add(r.request_id)
+            else:
+                assert kind == "finished"
+                validate_finished(msg.finished)
+                assert msg.finished.request_id in seen
+                finished_ids.add(msg.finished.request_id)
+    assert steps == int(40 * 0.3 * 50)
+    assert finished_ids
+
+
+def test_backlog_is_bounded_and_reported_as_dropped():
+    w = SimWorker(0, steps_per_s=50.0, seed=0)
+    msgs, n = w.due_messages(1000.0, 1.7e9)  # 50 000 steps due at once
+    assert n == 4096 and w.dropped == 50_000 - 4096
+    first = worker_pb2.WorkerMessage.FromString(msgs[0])
+    assert first.reports.dropped_steps == w.dropped
+    assert sum(len(worker_pb2.WorkerMessage.FromString(m).reports.steps) for m in msgs) == 4096
+
+
+@pytest.mark.timeout(120)
+def test_tiny_bench_writes_json_and_png(tmp_path):
+    out = io.StringIO()
+    rc = run_controller_bench(tmp_path, workers=8, duration_s=1.5, steps_per_s=20.0,
+                              decide_batches=5, decide_calls=2000, console=Console(file=out, width=120))
+    assert rc == 0, out.getvalue()
+    data = json.loads((tmp_path / "controller.json").read_text())
+    for key in JSON_KEYS:
+        assert key in data, key
+    assert data["workers"] == 8 and isinstance(data["workers"], int)
+    for key in JSON_KEYS[1:]:
+        assert isinstance(data[key], float), (key, data[key])
+    assert data["steps_per_s_ingested"] > 0
+    assert data["steps_per_s_offered"] > 0
+    assert data["bare_grpc_msgs_per_s"] > 0
+    assert data["agent_decide_us_median"] > 0
+    assert all(isinstance(data[k], bool) for k in data if k.startswith("goal_"))
+    assert data["controller"]["rejections"] == 0  # the generator speaks valid protocol
+    assert (tmp_path / "controller.png").stat().st_size > 0
+    assert "steps/s ingested" in out.getvalue()
