@@ -1,0 +1,521 @@
+"""Scenario files: a simulated fleet, its traffic and what changes when.
+
+A scenario is YAML validated by pydantic models that forbid unknown keys;
+:func:`load_scenario` turns every validation error into a
+:class:`ScenarioError` line naming the field path and the offending value.
+
+Schema (see ``bench/scenarios/*.yaml`` for complete files)::
+
+    name: demo
+    duration_s: 300          # simulated seconds
+    seed: 7
+    domain_acceptance: {chat: 1.0, code: 1.08}   # base acceptance factor per domain
+    traffic:                 # per worker replica; workers may override any field
+      arrivals: {kind: poisson, rate: 4.0}        # requests/s
+      #   or {kind: bursty, rate_on: 20, rate_off: 2, mean_on_s: 10, mean_off_s: 30}
+      prompt_len: {kind: lognormal, median: 800, sigma: 0.8, max: 8000}
+      #   or {kind: uniform, min: 16000, max: 128000} | {kind: fixed, value: 512}
+      #   or {kind: mixture, components: [{weight: 0.8, kind: lognormal, ...}, ...]}
+      output_len: {kind: lognormal, median: 256, sigma: 0.6, max: 2048}
+      domain_mix: {chat: 0.7, code: 0.3}
+      predictability: {a: 8, b: 8, low: 0.7, high: 1.3}   # per-request acceptance multiplier
+    workers:
+      - id: h100-eagle
+        count: 2                        # replicas h100-eagle-0, h100-eagle-1
+        hardware: H100-SXM              # registry name or an inline HardwareProfile
+        gpus: 1                         # tensor-parallel GPUs per replica
+        model: llama-3-8b
+        drafter: {kind: eagle, version: v1, max_depth: 8, max_width: 8,
+                  max_nodes: 64, trained_context_len: 8192}
+        max_batch_size: 256
+    changes:                            # all optional ``workers: [ids]`` to scope them
+      - {at_s: 60, kind: rate, rate: 12, over_s: 60}         # or scale: 3.0
+      - {at_s: 100, kind: context, prompt_len: {...}, over_s: 20}
+      - {at_s: 150, kind: drift, domain: code, factor: 0.8}  # domain omitted = all
+      - {at_s: 240, kind: drift, domain: code, factor: 1.0}  # retrained: back to 1
+      - {at_s: 200, kind: domain_mix, domain_mix: {chat: 0.3, code: 0.7}}
+
+A ``rate`` change sets the mean arrival rate (``rate``) or scales the base
+process (``scale``), linearly over ``over_s``; for a bursty process both
+on and off rates scale.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from worker.sim.acceptance import PROFILES as ACCEPTANCE_PROFILES
+from worker.sim.acceptance import AcceptanceProfile
+from worker.sim.hardware import (
+    DRAFT_COST_PROFILES,
+    HARDWARE_PROFILES,
+    MODEL_PROFILES,
+    DraftCostProfile,
+    HardwareProfile,
+    ModelProfile,
+)
+
+SCENARIO_DIR = Path(__file__).resolve().parents[2] / "bench" / "scenarios"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- length distributions ----------------------------------------------------
+class LogNormalLength(Strict):
+    """Log-normal token count with the given median, clipped to [min, max]."""
+
+    kind: Literal["lognormal"]
+    median: float = Field(gt=0)
+    sigma: float = Field(ge=0)
+    min: int = Field(1, ge=1)
+    max: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+        return self
+
+    def sample(self, rng: np.random.Generator) -> int:
+        v = int(round(self.median * math.exp(self.sigma * rng.standard_normal())))
+        return max(self.min, min(v, self.max) if self.max is not None else v)
+
+
+class UniformLength(Strict):
+    """Uniform integer token count in [min, max]."""
+
+    kind: Literal["uniform"]
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+        return self
+
+    def sample(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(self.min, self.max + 1))
+
+
+class FixedLength(Strict):
+    kind: Literal["fixed"]
+    value: int = Field(ge=1)
+
+    def sample(self, rng: np.random.Generator) -> int:
+        return self.value
+
+
+class LogNormalComponent(LogNormalLength):
+    weight: float = Field(gt=0)
+
+
+class UniformComponent(UniformLength):
+    weight: float = Field(gt=0)
+
+
+class FixedComponent(FixedLength):
+    weight: float = Field(gt=0)
+
+
+Component = Annotated[Union[LogNormalComponent, UniformComponent, FixedComponent], Field(discriminator="kind")]
+
+
+class MixtureLength(Strict):
+    """Mixture of the simple distributions, each with a ``weight``."""
+
+    kind: Literal["mixture"]
+    components: list[Component] = Field(min_length=1)
+
+    def sample(self, rng: np.random.Generator) -> int:
+        w = np.array([c.weight for c in self.components])
+        i = int(np.searchsorted(np.cumsum(w) / w.sum(), rng.random(), side="right"))
+        return self.components[min(i, len(self.components) - 1)].sample(rng)
+
+
+LengthDist = Annotated[
+    Union[LogNormalLength, UniformLength, FixedLength, MixtureLength], Field(discriminator="kind")
+]
+
+
+# -- arrivals ----------------------------------------------------------------
+class PoissonArrivals(Strict):
+    kind: Literal["poisson"]
+    rate: float = Field(gt=0, description="requests per second")
+
+    @property
+    def mean_rate(self) -> float:
+        return self.rate
+
+
+class BurstyArrivals(Strict):
+    """Markov-modulated Poisson: on/off states with exponential dwell times."""
+
+    kind: Literal["bursty"]
+    rate_on: float = Field(ge=0)
+    rate_off: float = Field(ge=0)
+    mean_on_s: float = Field(gt=0)
+    mean_off_s: float = Field(gt=0)
+    start_on: bool = False
+
+    @model_validator(mode="after")
+    def _some_rate(self):
+        if self.rate_on <= 0 and self.rate_off <= 0:
+            raise ValueError(f"rate_on ({self.rate_on}) or rate_off ({self.rate_off}) must be > 0")
+        return self
+
+    @property
+    def mean_rate(self) -> float:
+        return (self.rate_on * self.mean_on_s + self.rate_off * self.mean_off_s) / (self.mean_on_s + self.mean_off_s)
+
+
+ArrivalSpec = Annotated[Union[PoissonArrivals, BurstyArrivals], Field(discriminator="kind")]
+
+
+class Predictability(Strict):
+    """Per-request acceptance multiplier ``low + (high - low) * Beta(a, b)``."""
+
+    a: float = Field(8.0, gt=0)
+    b: float = Field(8.0, gt=0)
+    low: float = Field(0.7, gt=0)
+    high: float = Field(1.3, gt=0)
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.high < self.low:
+            raise ValueError(f"high ({self.high}) must be >= low ({self.low})")
+        return self
+
+    def sample(self, rng: np.random.Generator) -> float:
+        return self.low + (self.high - self.low) * float(rng.beta(self.a, self.b))
+
+
+def _check_mix(v: dict[str, float]) -> dict[str, float]:
+    bad = {k: w for k, w in v.items() if not (w >= 0 and math.isfinite(w))}
+    if bad:
+        raise ValueError(f"domain weights must be finite and >= 0, got {bad}")
+    if v and sum(v.values()) <= 0:
+        raise ValueError(f"domain weights must not all be 0, got {v}")
+    return v
+
+
+class Traffic(Strict):
+    """What arrives at one worker replica."""
+
+    arrivals: ArrivalSpec
+    prompt_len: LengthDist
+    output_len: LengthDist
+    domain_mix: dict[str, float] = Field(default_factory=lambda: {"chat": 1.0}, min_length=1)
+    predictability: Predictability = Field(default_factory=Predictability)
+
+    @field_validator("domain_mix")
+    @classmethod
+    def _mix(cls, v: dict[str, float]) -> dict[str, float]:
+        return _check_mix(v)
+
+
+class TrafficOverride(Strict):
+    arrivals: ArrivalSpec | None = None
+    prompt_len: LengthDist | None = None
+    output_len: LengthDist | None = None
+    domain_mix: dict[str, float] | None = None
+    predictability: Predictability | None = None
+
+    @field_validator("domain_mix")
+    @classmethod
+    def _mix(cls, v):
+        return None if v is None else _check_mix(v)
+
+
+# -- workers -----------------------------------------------------------------
+DEFAULT_MAX_DEPTH = {"eagle": 8, "medusa": 4}
+
+
+class DrafterSpec(Strict):
+    """Drafter of a worker; ``acceptance`` / ``cost`` override fields of the kind's profiles."""
+
+    kind: Literal["eagle", "medusa"]
+    version: str = "v1"
+    max_depth: int | None = Field(None, ge=1, le=16)
+    max_width: int = Field(8, ge=1, le=16)
+    max_nodes: int = Field(64, ge=1, le=256)
+    trained_context_len: int = Field(8192, ge=0)
+    acceptance: dict[str, Any] = Field(default_factory=dict)
+    cost: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _limits(self):
+        if self.max_depth is None:
+            self.max_depth = DEFAULT_MAX_DEPTH[self.kind]
+        if self.max_nodes < self.max_depth:
+            raise ValueError(f"max_nodes ({self.max_nodes}) must be >= max_depth ({self.max_depth})")
+        self.acceptance_profile()
+        self.cost_profile()
+        return self
+
+    def acceptance_profile(self) -> AcceptanceProfile:
+        base = ACCEPTANCE_PROFILES[self.kind].model_dump()
+        try:
+            return AcceptanceProfile.model_validate({**base, **self.acceptance, "kind": self.kind})
+        except ValidationError as exc:
+            raise ValueError(f"acceptance: {_flat(exc)}") from None
+
+    def cost_profile(self) -> DraftCostProfile:
+        base = DRAFT_COST_PROFILES[self.kind].model_dump()
+        try:
+            return DraftCostProfile.model_validate({**base, **self.cost, "kind": self.kind})
+        except ValidationError as exc:
+            raise ValueError(f"cost: {_flat(exc)}") from None
+
+
+class WorkerSpec(Strict):
+    id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    count: int = Field(1, ge=1, le=64, description="replicas")
+    hardware: Union[str, HardwareProfile] = "H100-SXM"
+    gpus: int | None = Field(None, ge=1, le=16, description="tensor-parallel GPUs (overrides hardware.count)")
+    model: Union[str, ModelProfile] = "llama-3-8b"
+    drafter: DrafterSpec
+    max_batch_size: int = Field(256, ge=1, le=4096)
+    kv_capacity_tokens: int | None = Field(None, ge=0, description="None: from HBM; 0: unlimited")
+    prefill: bool = Field(False, description="charge prompt prefill to the step that admits a request")
+    noise_sigma: float = Field(0.03, ge=0, le=1)
+    report_confidence: bool = False
+    traffic: TrafficOverride | None = None
+
+    @field_validator("hardware")
+    @classmethod
+    def _hardware(cls, v):
+        if isinstance(v, str) and v not in HARDWARE_PROFILES:
+            raise ValueError(f"unknown hardware profile {v!r} (known: {', '.join(sorted(HARDWARE_PROFILES))})")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v):
+        if isinstance(v, str) and v not in MODEL_PROFILES:
+            raise ValueError(f"unknown model profile {v!r} (known: {', '.join(sorted(MODEL_PROFILES))})")
+        return v
+
+    def hardware_profile(self) -> HardwareProfile:
+        hw = HARDWARE_PROFILES[self.hardware] if isinstance(self.hardware, str) else self.hardware
+        return hw.model_copy(update={"count": self.gpus}) if self.gpus else hw
+
+    def model_profile(self) -> ModelProfile:
+        return MODEL_PROFILES[self.model] if isinstance(self.model, str) else self.model
+
+    def replica_ids(self) -> list[str]:
+        return [self.id] if self.count == 1 else [f"{self.id}-{i}" for i in range(self.count)]
+
+
+# -- changes -----------------------------------------------------------------
+class ChangeBase(Strict):
+    at_s: float = Field(ge=0)
+    over_s: float = Field(0.0, ge=0, description="linear transition length (0 = a step)")
+    workers: list[str] | None = Field(None, description="worker or replica ids (default: all)")
+
+    def applies_to(self, spec_id: str, worker_id: str) -> bool:
+        return self.workers is None or spec_id in self.workers or worker_id in self.workers
+
+
+class RateChange(ChangeBase):
+    kind: Literal["rate"]
+    rate: float | None = Field(None, ge=0, description="new mean arrival rate, requests/s")
+    scale: float | None = Field(None, ge=0, description="new multiplier of the base arrival rates")
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.rate is None) == (self.scale is None):
+            raise ValueError(f"give exactly one of rate / scale, got rate={self.rate} scale={self.scale}")
+        return self
+
+
+class ContextChange(ChangeBase):
+    kind: Literal["context"]
+    prompt_len: LengthDist | None = None
+    output_len: LengthDist | None = None
+
+    @model_validator(mode="after")
+    def _some(self):
+        if self.prompt_len is None and self.output_len is None:
+            raise ValueError("a context change needs prompt_len and/or output_len")
+        return self
+
+
+class DriftChange(ChangeBase):
+    kind: Literal["drift"]
+    domain: str | None = Field(None, description="domain whose acceptance moves (None = all)")
+    factor: float = Field(gt=0, le=2, description="new drift factor (1 = as trained)")
+
+
+class DomainMixChange(ChangeBase):
+    kind: Literal["domain_mix"]
+    domain_mix: dict[str, float] = Field(min_length=1)
+
+    @field_validator("domain_mix")
+    @classmethod
+    def _mix(cls, v: dict[str, float]) -> dict[str, float]:
+        return _check_mix(v)
+
+
+Change = Annotated[Union[RateChange, ContextChange, DriftChange, DomainMixChange], Field(discriminator="kind")]
+
+
+class Scenario(Strict):
+    name: str = Field(min_length=1)
+    description: str = ""
+    duration_s: float = Field(gt=0)
+    seed: int = Field(0, ge=0)
+    domain_acceptance: dict[str, float] = Field(default_factory=dict)
+    traffic: Traffic
+    workers: list[WorkerSpec] = Field(min_length=1)
+    changes: list[Change] = Field(default_factory=list)
+
+    @field_validator("domain_acceptance")
+    @classmethod
+    def _factors(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: f for k, f in v.items() if not 0 < f <= 2}
+        if bad:
+            raise ValueError(f"domain acceptance factors must lie in (0, 2], got {bad}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        problems: list[str] = []
+        ids: list[str] = []
+        for spec in self.workers:
+            ids.extend(spec.replica_ids())
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            problems.append(f"workers: duplicate worker ids {dup}")
+        known_ids = set(ids) | {s.id for s in self.workers}
+        domains = self.domains()
+        for i, ch in enumerate(self.changes):
+            where = f"changes.{i}"
+            if ch.at_s > self.duration_s:
+                problems.append(f"{where}.at_s: {ch.at_s:g} is after the end of the scenario (duration_s {self.duration_s:g})")
+            if ch.workers is not None:
+                unknown = [w for w in ch.workers if w not in known_ids]
+                if unknown:
+                    problems.append(f"{where}.workers: unknown worker ids {unknown} (known: {sorted(known_ids)})")
+            if isinstance(ch, DriftChange) and ch.domain is not None and ch.domain not in domains:
+                problems.append(f"{where}.domain: unknown domain {ch.domain!r} (known: {sorted(domains)})")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def domains(self) -> set[str]:
+        """Every domain named by a traffic mix, a domain factor or a domain_mix change."""
+        out = set(self.traffic.domain_mix) | set(self.domain_acceptance)
+        for spec in self.workers:
+            if spec.traffic and spec.traffic.domain_mix:
+                out |= set(spec.traffic.domain_mix)
+        for ch in self.changes:
+            if isinstance(ch, DomainMixChange):
+                out |= set(ch.domain_mix)
+        return out
+
+    def replicas(self) -> list[tuple[str, WorkerSpec]]:
+        """(worker id, spec) for every replica, in file order."""
+        return [(wid, spec) for spec in self.workers for wid in spec.replica_ids()]
+
+    def traffic_for(self, spec: WorkerSpec) -> Traffic:
+        """The scenario traffic with the worker's overrides applied."""
+        if spec.traffic is None:
+            return self.traffic
+        update = {k: v for k, v in spec.traffic if v is not None}
+        return self.traffic.model_copy(update=update)
+
+    def changes_for(self, spec: WorkerSpec, worker_id: str) -> list[Change]:
+        return [c for c in self.changes if c.applies_to(spec.id, worker_id)]
+
+    def worker_seed(self, worker_id: str) -> np.random.SeedSequence:
+        """Seed of one replica: stable under adding or reordering other workers."""
+        return np.random.SeedSequence([self.seed, zlib.crc32(worker_id.encode())])
+
+
+# -- loading -----------------------------------------------------------------
+class ScenarioError(ValueError):
+    """A scenario file that does not validate; ``errors`` lists one line per problem."""
+
+    def __init__(self, source: str, errors: list[str]) -> None:
+        self.source = source
+        self.errors = errors
+        super().__init__(f"invalid scenario {source}:\n  " + "\n  ".join(errors))
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _flat(exc: ValidationError) -> str:
+    return "; ".join(_lines(exc))
+
+
+def _clean_loc(loc: tuple, data: Any) -> str:
+    """Dotted path of an error, without the union tags pydantic inserts (``prompt_len.lognormal.sigma``)."""
+    parts = []
+    for p in loc:
+        if isinstance(data, dict) and isinstance(p, str) and p not in data and data.get("kind") == p:
+            continue  # a discriminator tag, not a field
+        parts.append(str(p))
+        if isinstance(data, dict):
+            data = data.get(p)
+        elif isinstance(data, list) and isinstance(p, int) and 0 <= p < len(data):
+            data = data[p]
+        else:
+            data = None
+    return ".".join(parts)
+
+
+def _lines(exc: ValidationError, data: Any = None) -> list[str]:
+    out = []
+    for err in exc.errors():
+        loc = _clean_loc(err["loc"], data)
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] != "value_error" and not isinstance(err.get("input"), (dict, list)):
+            msg += f" (got {_show(err.get('input'))})"
+        out.extend(f"{loc}: {m}" if loc else m for m in msg.split("\n"))
+    return out
+
+
+def scenario_from_dict(data: Any, source: str = "<dict>") -> Scenario:
+    """Validate a parsed scenario; raises :class:`ScenarioError`."""
+    if not isinstance(data, dict):
+        raise ScenarioError(source, [f"top level must be a mapping, got {type(data).__name__}"])
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(source, _lines(exc, data)) from None
+
+
+def load_scenario(path_or_name: str | Path) -> Scenario:
+    """Load a YAML scenario file, or a shipped one by name (``"demo"``).
+
+    >>> load_scenario("demo").name
+    'demo'
+    """
+    path = Path(path_or_name)
+    if not path.exists() and not path.suffix:
+        path = SCENARIO_DIR / f"{path_or_name}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ScenarioError(str(path), [f"cannot read: {exc.strerror}"]) from None
+    except yaml.YAMLError as exc:
+        raise ScenarioError(str(path), [f"not valid YAML: {exc}"]) from None
+    return scenario_from_dict(data, str(path))
+
+
+def shipped_scenarios() -> list[Path]:
+    """The scenario files in ``bench/scenarios``."""
+    return sorted(SCENARIO_DIR.glob("*.yaml"))
