@@ -31,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from specctl.demo import run_demo
 
-    return run_demo(duration_s=args.duration, scenario=args.scenario, policy=args.policy)
+    return run_demo(duration_s=args.duration, scenario=args.scenario, policy=args.policy, out_dir=args.out)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--duration", type=float, default=60.0, help="seconds of live run (default 60)")
     demo.add_argument("--scenario", default="demo", help="scenario name or YAML file (default: demo)")
     demo.add_argument("--policy", default="goodput", help="policy preset for the controlled fleet")
+    demo.add_argument("--out", default="demo-results", help="directory for demo.json + demo.png")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import multiprocessing
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
@@ -95,24 +98,57 @@ def live_table(workers: list[SimWorker], agents: list[SpeculationAgent], view: L
     return table
 
 
-def summary_table(controlled: dict[str, dict], always_on: dict[str, dict], always_off: dict[str, dict],
-                  on_label: str) -> Table:
-    table = Table(title="Goodput (tokens per second of step time), same arrivals under each strategy")
-    for col in ("worker", "controller", on_label, "always off", "vs on", "vs off", "TPOT ms (ctl/on/off)"):
-        table.add_column(col, justify="right" if col != "worker" else "left")
-    totals = {"ctl": [0.0, 0.0], "on": [0.0, 0.0], "off": [0.0, 0.0]}
-    for wid, ctl in controlled.items():
-        on, off = always_on[wid], always_off[wid]
-        for key, s in (("ctl", ctl), ("on", on), ("off", off)):
-            totals[key][0] += s["tokens"]
-            totals[key][1] += s["busy_s"]
-        table.add_row(wid, f"{ctl['goodput_tok_s']:,.0f}", f"{on['goodput_tok_s']:,.0f}", f"{off['goodput_tok_s']:,.0f}",
-                      f"{ctl['goodput_tok_s'] / on['goodput_tok_s']:.2f}x", f"{ctl['goodput_tok_s'] / off['goodput_tok_s']:.2f}x",
-                      f"{ctl['tpot_ms_mean']:.1f} / {on['tpot_ms_mean']:.1f} / {off['tpot_ms_mean']:.1f}")
-    fleet = {k: v[0] / v[1] if v[1] else 0.0 for k, v in totals.items()}
-    table.add_row("fleet", f"{fleet['ctl']:,.0f}", f"{fleet['on']:,.0f}", f"{fleet['off']:,.0f}",
-                  f"{fleet['ctl'] / fleet['on']:.2f}x", f"{fleet['ctl'] / fleet['off']:.2f}x", "", style="bold")
+STRATEGIES = ("controller", "always on", "always off")
+
+
+def summary_table(results: dict[str, dict[str, dict]], on_label: str) -> Table:
+    """``results[strategy][worker]`` → one row per worker plus the fleet."""
+    table = Table(title="Same arrivals under each strategy: goodput (tokens per second of GPU step time) and TPOT")
+    table.add_column("worker")
+    for label in ("goodput: controller", on_label, "off", "TPOT ms: controller", on_label, "off"):
+        table.add_column(label, justify="right")
+    for wid in results["controller"]:
+        row = [results[s][wid] for s in STRATEGIES]
+        table.add_row(wid, *(f"{r['goodput_tok_s']:,.0f}" for r in row), *(f"{r['tpot_ms_mean']:.1f}" for r in row))
+    fleet = [fleet_goodput(results[s]) for s in STRATEGIES]
+    table.add_row("fleet", *(f"{g:,.0f}" for g in fleet), "", "", "", style="bold")
     return table
+
+
+def fleet_goodput(per_worker: dict[str, dict]) -> float:
+    tokens = sum(s["tokens"] for s in per_worker.values())
+    busy = sum(s["busy_s"] for s in per_worker.values())
+    return tokens / busy if busy else 0.0
+
+
+def write_results(results: dict[str, dict[str, dict]], out_dir: Path, scenario: str, policy: str) -> Path:
+    """JSON of every worker's summary per strategy, and a PNG beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "demo.json"
+    fleet = {s: fleet_goodput(results[s]) for s in STRATEGIES}
+    payload = {"scenario": scenario, "policy": policy, "fleet_goodput_tok_s": fleet, "workers": results}
+    path.write_text(json.dumps(payload, indent=2))
+    workers = list(results["controller"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.27
+    for i, s in enumerate(STRATEGIES):
+        xs = [k + (i - 1) * width for k in range(len(workers))]
+        axes[0].bar(xs, [results[s][w]["goodput_tok_s"] for w in workers], width, label=s)
+        axes[1].bar(xs, [results[s][w]["tpot_ms_mean"] for w in workers], width, label=s)
+    for ax, title in zip(axes, ("goodput (tok/s of step time), higher is better", "mean TPOT (ms), lower is better")):
+        ax.set_xticks(range(len(workers)), workers, rotation=15, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"specctl demo: scenario {scenario}, policy {policy}")
+    fig.tight_layout()
+    fig.savefig(out_dir / "demo.png", dpi=110)
+    plt.close(fig)
+    return path
 
 
 async def _controlled_run(scenario_name: str, duration_s: float, policy: str, console: Console) -> dict[str, dict]:
@@ -145,8 +181,9 @@ async def _controlled_run(scenario_name: str, duration_s: float, policy: str, co
     return {w.worker_id: w.stats.summary() for w in workers}
 
 
-def run_demo(duration_s: float = 60.0, scenario: str = "demo", policy: str = "goodput") -> int:
-    console = Console()
+def run_demo(duration_s: float = 60.0, scenario: str = "demo", policy: str = "goodput",
+             out_dir: str = "demo-results") -> int:
+    console = Console(width=None if sys.stdout.isatty() else 150)
     on = static_on_decision()
     console.print(f"[bold]specctl demo[/]: controller ({policy}) + simulated fleet '{scenario}' over gRPC for "
                   f"~{duration_s:.0f} s; baselines (always on at depth {on.depth}, always off) run beside it.")
@@ -156,6 +193,9 @@ def run_demo(duration_s: float = 60.0, scenario: str = "demo", policy: str = "go
         off_future = pool.submit(run_fixed, scenario, Decision.off())
         controlled = asyncio.run(_controlled_run(scenario, duration_s, policy, console))
         with console.status("waiting for the baseline fleets to finish their replay…"):
-            always_on, always_off = on_future.result(), off_future.result()
-    console.print(summary_table(controlled, always_on, always_off, f"always on (d={on.depth})"))
+            results = {"controller": controlled, "always on": on_future.result(), "always off": off_future.result()}
+    console.print()
+    console.print(summary_table(results, f"on (d={on.depth})"))
+    path = write_results(results, Path(out_dir), scenario, policy)
+    console.print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0

@@ -338,6 +338,25 @@ def test_step_telemetry_accounts_tokens_and_costs():
     assert st.mean_accepted == pytest.approx(st.accepted_tokens / st.request_steps)
 
 
+def test_prefill_and_confidence_options():
+    data = base_scenario()
+    data["workers"][0].update(prefill=True, report_confidence=True)
+    worker = SimWorker.fleet(scenario_from_dict(data))[0]
+    seen_prefill = False
+    def check(res):
+        nonlocal seen_prefill
+        if res.telemetry is None:
+            return
+        tel = res.telemetry
+        assert res.duration_s == pytest.approx((res.prefill_ms + tel.draft_ms + tel.verify_ms) / 1e3)
+        seen_prefill |= res.prefill_ms > 0
+        for r in tel.requests:
+            assert len(r.draft_confidence) == len(r.accepted_rank)
+            assert all(0 < c <= 1 for c in r.draft_confidence)
+    run_simulated(worker, const(Decision.chain(3)), 5.0, on_step=check)
+    assert seen_prefill and worker.stats.prefill_ms > 0
+
+
 def test_kv_capacity_limits_admission():
     data = base_scenario()
     data["workers"][0].update(kv_capacity_tokens=20_000, max_batch_size=256)
