@@ -1,0 +1,62 @@
+"""Controller logic without gRPC: the cost fit against the simulator's
+roofline, and plan pushes that neither flap nor exceed the interval."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controller.config import PlanSettings, ServerConfig
+from controller.core import Controller
+from controller.cost import CostParams, StepCostModel
+from policies.presets import load_preset
+from tests.support import SyntheticWorker, make_hello
+from worker.agent import compile_plan, step_to_proto
+from worker.sim.hardware import CostModel
+from policies.table import Decision, DecisionTable
+from protos.speculation.v1 import plan_pb2, worker_pb2
+
+
+@pytest.mark.parametrize("hardware", ["H100-SXM", "H200"])
+def test_cost_fit_reproduces_the_simulators_three_regimes(hardware: str) -> None:
+    truth = CostModel(hardware=hardware, noise_sigma=0.03)
+    rng = np.random.default_rng(0)
+    model = StepCostModel(prior=CostParams.from_hardware(3350, 989, 16e9, 131072, 8e9))
+    for _ in range(3000):
+        batch = int(rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256]))
+        tokens = batch * int(rng.integers(1, 6))
+        ctx = float(rng.choice([500, 2000, 8000, 32000]))
+        model.observe_verify(tokens, batch * ctx, truth.noisy(truth.verify_ms(tokens, batch * ctx), rng))
+    fit = model.refit()
+    for batch, per_request, ctx in [(1, 1, 500), (1, 5, 500), (256, 1, 500), (256, 4, 500), (64, 4, 32000)]:
+        tokens, kv = batch * per_request, batch * ctx
+        assert fit.verify_ms(tokens, kv) == pytest.approx(truth.verify_ms(tokens, kv), rel=0.08), (batch, per_request, ctx)
+    # The regimes: verifying 5 tokens at batch 1 is nearly free; at batch 256 and
+    # short context each extra token costs; at long context it is nearly free again.
+    assert fit.verify_ms(5, 500) / fit.verify_ms(1, 500) < 1.05
+    assert fit.verify_ms(1024, 256 * 500) / fit.verify_ms(256, 256 * 500) > 2.0
+    assert fit.verify_ms(256, 64 * 32000) / fit.verify_ms(64, 64 * 32000) < 1.05
+
+
+def test_steady_telemetry_does_not_flap_plans() -> None:
+    clock = [0.0]
+    config = ServerConfig(plan=PlanSettings(recompute_interval_s=0.5, min_push_interval_s=5.0, hysteresis=0.02))
+    ctl = Controller(config, load_preset("goodput"), clock=lambda: clock[0])
+    state = ctl.hello(make_hello("steady", max_depth=6))
+    worker = SyntheticWorker(lambda ctx: 0.75, seed=5)
+    pushes: list[float] = []
+    table, applied = DecisionTable.uniform(Decision.off()), 0
+    for i in range(3000):  # 300 s of steps at 10 per second
+        clock[0] = i * 0.1
+        batch = 4 + (i % 3)  # small, steady jitter in batch size
+        step = worker.step(lambda rid, ctx, b: table.lookup(b, ctx), batch, 700)
+        ctl.ingest(state, worker_pb2.StepReports(steps=[step_to_proto(step)]))
+        for msg in ctl.plan_updates(state):
+            if isinstance(msg, plan_pb2.Plan):
+                table, applied = compile_plan(msg, state.hello, applied), msg.version
+                pushes.append(clock[0])
+    assert pushes, "no plan at all"
+    gaps = np.diff(pushes)
+    assert (gaps >= 5.0).all(), gaps  # never more often than min_push_interval_s
+    assert len(pushes) <= 6, pushes  # settles: a handful of refinements, then quiet
+    assert max(pushes) < 150.0, pushes  # the second half of the run pushed nothing
