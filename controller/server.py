@@ -76,7 +76,7 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
 async def _housekeeping(running: RunningServer, poll_interval_s: float) -> None:
     """Watch the policy file; run due policies and push plans within a CPU budget."""
     plan = running.controller.config.plan
-    last_poll = 0.0
+    last_poll = time.monotonic()  # PolicySource read the file at start
     while True:
         await asyncio.sleep(plan.tick_s)
         now = time.monotonic()
