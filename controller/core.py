@@ -212,7 +212,7 @@ class Controller:
         outcomes = []
         unreported = step.batch_size - len(rows)  # requests not reported decode one token each
         batch_tokens = tokens = unreported
-        kv_tokens = max_depth = total_nodes = 0
+        kv_tokens = max_depth = total_nodes = level_kv = 0
         posteriors = None
         for row in rows:
             rid, ctx, depth, width, nodes, accepted, ranks, cands = row
@@ -224,6 +224,7 @@ class Controller:
             counts[c] += 1.0
             sums[c] += ctx
             if depth:
+                level_kv += depth * ctx
                 if depth > max_depth:
                     max_depth = depth
                 if ranks is None:
@@ -242,7 +243,7 @@ class Controller:
         while len(active) > self.config.max_active_requests:
             active.popitem(last=False)
         draft_ms, verify_ms, batch = step.draft_ms, step.verify_ms, step.batch_size
-        state.cost.observe_step(batch_tokens, kv_tokens, max_depth, total_nodes, draft_ms, verify_ms)
+        state.cost.observe_step(batch_tokens, kv_tokens, max_depth, total_nodes, level_kv, draft_ms, verify_ms)
         state.recent_steps.append(
             StepOutcome(step.step_id, step.timestamp, batch, draft_ms, verify_ms, tuple(outcomes), tokens))
         keep = 1 - LOAD_EMA
@@ -465,6 +466,7 @@ class Controller:
                 mem_ms=p.mem_ms, mem_ms_per_kv_token=p.mem_ms_per_kv_token, compute_ms=p.compute_ms,
                 compute_ms_per_token=p.compute_ms_per_token, draft_fixed_ms=p.draft_fixed_ms,
                 draft_ms_per_level=p.draft_ms_per_level, draft_ms_per_node=p.draft_ms_per_node,
+                draft_ms_per_level_kv_token=p.draft_ms_per_level_kv_token,
                 samples=state.cost.samples, rmse_ms=state.cost.rmse_ms,
             ),
             mean_batch_size=state.batch_ema,

@@ -15,7 +15,10 @@ lifts the memory plane back above the compute plane and speculation is cheap
 again.
 
 Drafting is linear: ``draft_ms = draft_fixed_ms·[any speculation] +
-draft_ms_per_level·max_depth + draft_ms_per_node·Σ nodes``.
+draft_ms_per_level·max_depth + draft_ms_per_node·Σ nodes +
+draft_ms_per_level_kv_token·Σ_i depth_i·context_len_i`` — the last term is an
+autoregressive drafter reading its own KV cache once per level, which matters
+at long context.
 
 Memory is bounded: verify observations land in a fixed grid of cells over
 (log2 batch_tokens, log2 kv_tokens), each keeping decayed weighted sums; the
@@ -43,6 +46,7 @@ class CostParams:
     draft_fixed_ms: float = 0.0
     draft_ms_per_level: float = 0.5
     draft_ms_per_node: float = 0.0
+    draft_ms_per_level_kv_token: float = 0.0
 
     @classmethod
     def from_hardware(
@@ -75,14 +79,16 @@ class CostParams:
         out = np.maximum(mem, comp)
         return float(out) if out.ndim == 0 else out
 
-    def draft_ms(self, max_depth, total_nodes, batch_size=None):
+    def draft_ms(self, max_depth, total_nodes, batch_size=None, level_kv_tokens=0.0):
         """Draft time of a step whose deepest request drafts ``max_depth``
-        levels and whose requests draft ``total_nodes`` nodes in all."""
+        levels, whose requests draft ``total_nodes`` nodes in all, and whose
+        Σ depth_i·context_len_i is ``level_kv_tokens``."""
         depth = np.asarray(max_depth, dtype=float)
         out = (
             np.where(depth > 0, self.draft_fixed_ms, 0.0)
             + self.draft_ms_per_level * depth
             + self.draft_ms_per_node * np.asarray(total_nodes, dtype=float)
+            + self.draft_ms_per_level_kv_token * np.asarray(level_kv_tokens, dtype=float)
         )
         return float(out) if out.ndim == 0 else out
 
@@ -189,8 +195,10 @@ class StepCostModel:
         self._t = [0.0] * cells
         self._t2 = [0.0] * cells
         # Draft model normal equations over features [spec, max_depth, nodes].
-        # Σ spec², Σ spec·d, Σ spec·n, Σ d², Σ d·n, Σ n², Σ spec·y, Σ d·y, Σ n·y
-        self._draft_sums = [0.0] * 9
+        # Draft model normal equations (4×4 row-major and 4) over
+        # [spec, max_depth, nodes, level-KV tokens].
+        self._draft_xtx = [0.0] * 16
+        self._draft_xty = [0.0] * 4
         self._draft_weight = 0.0
         self.samples = 0
         self.params = prior
@@ -215,30 +223,25 @@ class StepCostModel:
         self._t2[cell] += verify_ms * verify_ms
         self.samples += 1
 
-    def observe_draft(self, max_depth: int, total_nodes: int, draft_ms: float) -> None:
-        # Normal equations over x = [spec, depth, nodes], kept as plain floats:
-        # this runs once per step.
-        spec = 1.0 if max_depth > 0 else 0.0
-        d, n = float(max_depth), float(total_nodes)
+    def observe_draft(self, max_depth: int, total_nodes: int, level_kv_tokens: float, draft_ms: float) -> None:
+        # Normal equations over x = [spec, depth, nodes, level-KV (millions)],
+        # kept as plain floats: this runs once per step.
+        x = (1.0 if max_depth > 0 else 0.0, float(max_depth), float(total_nodes), level_kv_tokens / _KV_SCALE)
         if self._draft_weight >= self.max_cell_weight * 4:
-            self._draft_sums = [v * 0.999 for v in self._draft_sums]
+            self._draft_xtx = [v * 0.999 for v in self._draft_xtx]
+            self._draft_xty = [v * 0.999 for v in self._draft_xty]
             self._draft_weight *= 0.999
-        sums = self._draft_sums
-        sums[0] += spec
-        sums[1] += spec * d
-        sums[2] += spec * n
-        sums[3] += d * d
-        sums[4] += d * n
-        sums[5] += n * n
-        sums[6] += spec * draft_ms
-        sums[7] += d * draft_ms
-        sums[8] += n * draft_ms
+        xtx, xty = self._draft_xtx, self._draft_xty
+        for i in range(4):
+            xty[i] += x[i] * draft_ms
+            for j in range(4):
+                xtx[4 * i + j] += x[i] * x[j]
         self._draft_weight += 1.0
 
     def observe_step(self, batch_tokens: int, kv_tokens: int, max_depth: int, total_nodes: int,
-                     draft_ms: float, verify_ms: float) -> None:
+                     level_kv_tokens: float, draft_ms: float, verify_ms: float) -> None:
         self.observe_verify(batch_tokens, kv_tokens, verify_ms)
-        self.observe_draft(max_depth, total_nodes, draft_ms)
+        self.observe_draft(max_depth, total_nodes, level_kv_tokens, draft_ms)
 
     def refit(self) -> CostParams:
         w = np.asarray(self._w)
@@ -262,15 +265,15 @@ class StepCostModel:
     def _fit_draft(self, params: CostParams) -> CostParams:
         if self._draft_weight == 0:
             return params
-        prior = np.array([self.prior.draft_fixed_ms, self.prior.draft_ms_per_level, self.prior.draft_ms_per_node])
+        p = self.prior
+        prior = np.array([p.draft_fixed_ms, p.draft_ms_per_level, p.draft_ms_per_node,
+                          p.draft_ms_per_level_kv_token * _KV_SCALE])
         lam = self.prior_weight
         # min ||A θ - y||² + λ||θ - θ0||² with θ ≥ 0, via a Cholesky factor of
         # the regularised normal equations.
-        q = self._draft_sums
-        xtx = np.array([[q[0], q[1], q[2]], [q[1], q[3], q[4]], [q[2], q[4], q[5]]])
-        xty = np.array(q[6:9])
-        factor = np.linalg.cholesky(xtx + lam * np.eye(3))
-        rhs = np.linalg.solve(factor, xty + lam * prior)
+        xtx = np.array(self._draft_xtx).reshape(4, 4)
+        factor = np.linalg.cholesky(xtx + lam * np.eye(4))
+        rhs = np.linalg.solve(factor, np.array(self._draft_xty) + lam * prior)
         theta = nnls(factor.T, rhs)[0]
         return replace(params, draft_fixed_ms=float(theta[0]), draft_ms_per_level=float(theta[1]),
-                       draft_ms_per_node=float(theta[2]))
+                       draft_ms_per_node=float(theta[2]), draft_ms_per_level_kv_token=float(theta[3] / _KV_SCALE))

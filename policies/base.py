@@ -115,15 +115,20 @@ class CostEstimate(Protocol):
 
     ``verify_ms``: the target forward over ``batch_tokens`` (Σ 1 + nodes)
     reading ``kv_tokens`` (Σ context lengths). ``draft_ms``: drafting for a
-    step whose deepest request drafts ``depth`` levels and whose requests
-    draft ``nodes`` nodes in all.
+    step whose deepest request drafts ``max_depth`` levels, whose requests
+    draft ``total_nodes`` nodes in all and whose Σ depth_i·context_len_i is
+    ``level_kv_tokens``.
     """
 
     def verify_ms(self, batch_tokens: np.ndarray | float, kv_tokens: np.ndarray | float) -> np.ndarray | float:
         ...
 
     def draft_ms(
-        self, depth: np.ndarray | float, nodes: np.ndarray | float, batch_size: np.ndarray | float
+        self,
+        max_depth: np.ndarray | float,
+        total_nodes: np.ndarray | float,
+        batch_size: np.ndarray | float | None = None,
+        level_kv_tokens: np.ndarray | float = 0.0,
     ) -> np.ndarray | float:
         ...
 

@@ -183,7 +183,8 @@ def allocate(groups: Sequence[BatchGroup], cost, min_gain: float = 0.0) -> Alloc
     taken = np.vstack([np.zeros((1, len(groups_live)), dtype=int), np.cumsum(onehot, axis=0)])
     depths = np.stack([g.nodes.depth[taken[:, i]] for i, g in enumerate(groups_live)], axis=1)
     levels = expected_max_depth(depths, counts / batch, batch)
-    step_ms = cost.verify_ms(batch + extra, kv) + cost.draft_ms(levels, extra, batch)
+    level_kv = depths @ (counts * np.array([g.context_len for g in groups_live]))  # [candidates + 1]
+    step_ms = cost.verify_ms(batch + extra, kv) + cost.draft_ms(levels, extra, batch, level_kv)
     goodput = (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0  # tokens per second
     best = int(np.argmax(goodput))
     if goodput[best] < goodput[0] * (1.0 + min_gain):
@@ -230,7 +231,7 @@ def table_goodput(table: DecisionTable, obs: Observation) -> float:
     (a batch of the mean batch size drawn from the observed context mix)."""
     batch = max(1.0, obs.load.mean_batch_size)
     share, means = observed_mix(obs)
-    tokens, nodes_total = batch, 0.0
+    tokens, nodes_total, level_kv = batch, 0.0, 0.0
     depths = np.zeros(len(share))
     for c in np.flatnonzero(share):
         d = table.lookup(max(1, round(batch)), obs.context_edges[c])
@@ -240,9 +241,10 @@ def table_goodput(table: DecisionTable, obs: Observation) -> float:
         tokens += batch * share[c] * nodes.expected_accepted(d.max_nodes)
         nodes_total += batch * share[c] * len(nodes.values)
         depths[c] = nodes.depth[-1]
+        level_kv += batch * share[c] * depths[c] * means[c]
     kv = batch * float(np.dot(share, means))
     levels = expected_max_depth(depths, share, batch)
-    step_ms = obs.cost.verify_ms(batch + nodes_total, kv) + obs.cost.draft_ms(levels, nodes_total, batch)
+    step_ms = obs.cost.verify_ms(batch + nodes_total, kv) + obs.cost.draft_ms(levels, nodes_total, batch, level_kv)
     return 1000.0 * tokens / max(float(step_ms), 1e-9)
 
 

@@ -60,3 +60,21 @@ def test_steady_telemetry_does_not_flap_plans() -> None:
     assert (gaps >= 5.0).all(), gaps  # never more often than min_push_interval_s
     assert len(pushes) <= 6, pushes  # settles: a handful of refinements, then quiet
     assert max(pushes) < 150.0, pushes  # the second half of the run pushed nothing
+
+
+def test_draft_fit_follows_an_autoregressive_drafter_at_long_context() -> None:
+    truth = CostModel(hardware="H200", drafter="eagle", noise_sigma=0.02)
+    rng = np.random.default_rng(1)
+    model = StepCostModel()
+    for _ in range(2000):
+        batch = int(rng.choice([1, 4, 16, 64]))
+        depth = int(rng.integers(1, 7))
+        ctx = float(rng.choice([500, 8000, 64000]))
+        draft = truth.noisy(truth.draft_ms([depth] * batch, [1] * batch, [ctx] * batch), rng)
+        model.observe_draft(depth, batch * depth, batch * depth * ctx, draft)
+    fit = model.refit()
+    for batch, depth, ctx in [(1, 2, 500), (16, 4, 8000), (64, 6, 64000)]:
+        expected = truth.draft_ms([depth] * batch, [1] * batch, [ctx] * batch)
+        got = fit.draft_ms(depth, batch * depth, batch, batch * depth * ctx)
+        assert got == pytest.approx(expected, rel=0.15), (batch, depth, ctx)
+    assert fit.draft_ms_per_level_kv_token > 0

@@ -47,7 +47,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class CostModel(_message.Message):
-    __slots__ = ("mem_ms", "mem_ms_per_kv_token", "compute_ms", "compute_ms_per_token", "draft_fixed_ms", "draft_ms_per_level", "draft_ms_per_node", "samples", "rmse_ms")
+    __slots__ = ("mem_ms", "mem_ms_per_kv_token", "compute_ms", "compute_ms_per_token", "draft_fixed_ms", "draft_ms_per_level", "draft_ms_per_node", "samples", "rmse_ms", "draft_ms_per_level_kv_token")
     MEM_MS_FIELD_NUMBER: _ClassVar[int]
     MEM_MS_PER_KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class CostModel(_message.Message):
     DRAFT_MS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RMSE_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_PER_LEVEL_KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     mem_ms: float
     mem_ms_per_kv_token: float
     compute_ms: float
@@ -66,7 +67,8 @@ class CostModel(_message.Message):
     draft_ms_per_node: float
     samples: int
     rmse_ms: float
-    def __init__(self, mem_ms: _Optional[float] = ..., mem_ms_per_kv_token: _Optional[float] = ..., compute_ms: _Optional[float] = ..., compute_ms_per_token: _Optional[float] = ..., draft_fixed_ms: _Optional[float] = ..., draft_ms_per_level: _Optional[float] = ..., draft_ms_per_node: _Optional[float] = ..., samples: _Optional[int] = ..., rmse_ms: _Optional[float] = ...) -> None: ...
+    draft_ms_per_level_kv_token: float
+    def __init__(self, mem_ms: _Optional[float] = ..., mem_ms_per_kv_token: _Optional[float] = ..., compute_ms: _Optional[float] = ..., compute_ms_per_token: _Optional[float] = ..., draft_fixed_ms: _Optional[float] = ..., draft_ms_per_level: _Optional[float] = ..., draft_ms_per_node: _Optional[float] = ..., samples: _Optional[int] = ..., rmse_ms: _Optional[float] = ..., draft_ms_per_level_kv_token: _Optional[float] = ...) -> None: ...
 
 class StratumAcceptance(_message.Message):
     __slots__ = ("drafter_kind", "drafter_version", "context_len_min", "context_len_max", "alpha", "effective_samples", "expected_accepted_chain")
