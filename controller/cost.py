@@ -34,6 +34,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 BATCH_BITS = 14  # batch tokens up to 16k per step
+PENDING_FOLD = 256  # steps buffered before they are folded into the sketches
 KV_BITS = 30  # KV tokens up to 1G per step
 
 
@@ -188,73 +189,84 @@ class StepCostModel:
         self.prior_weight = prior_weight
         self.max_cell_weight = max_cell_weight
         cells = BATCH_BITS * KV_BITS
-        # Per cell: weight, Σw·N, Σw·KV, Σw·T, Σw·T² (plain lists: hot path).
-        self._w = [0.0] * cells
-        self._n = [0.0] * cells
-        self._kv = [0.0] * cells
-        self._t = [0.0] * cells
-        self._t2 = [0.0] * cells
-        # Draft model normal equations over features [spec, max_depth, nodes].
-        # Draft model normal equations (4×4 row-major and 4) over
-        # [spec, max_depth, nodes, level-KV tokens].
-        self._draft_xtx = [0.0] * 16
-        self._draft_xty = [0.0] * 4
+        # Per cell: weight, Σw·N, Σw·KV, Σw·T, Σw·T².
+        self._w = np.zeros(cells)
+        self._n = np.zeros(cells)
+        self._kv = np.zeros(cells)
+        self._t = np.zeros(cells)
+        self._t2 = np.zeros(cells)
+        # Draft model normal equations over [spec, max_depth, nodes, level-KV (millions)].
+        self._draft_xtx = np.zeros((4, 4))
+        self._draft_xty = np.zeros(4)
         self._draft_weight = 0.0
+        # Observations since the last fold (bounded: folded every PENDING_FOLD).
+        self._pending: list[tuple[float, float, float]] = []
+        self._pending_draft: list[tuple[float, float, float, float, float]] = []
         self.samples = 0
         self.params = prior
         self.rmse_ms = 0.0
 
     def observe_verify(self, batch_tokens: int, kv_tokens: int, verify_ms: float) -> None:
-        b = min(int(batch_tokens).bit_length(), BATCH_BITS - 1)
-        k = min(int(kv_tokens).bit_length(), KV_BITS - 1)
-        cell = b * KV_BITS + k
-        w = self._w[cell]
-        if w >= self.max_cell_weight:
-            scale = (self.max_cell_weight - 1.0) / w
-            self._w[cell] = w * scale
-            self._n[cell] *= scale
-            self._kv[cell] *= scale
-            self._t[cell] *= scale
-            self._t2[cell] *= scale
-        self._w[cell] += 1.0
-        self._n[cell] += batch_tokens
-        self._kv[cell] += kv_tokens
-        self._t[cell] += verify_ms
-        self._t2[cell] += verify_ms * verify_ms
-        self.samples += 1
+        self._pending.append((batch_tokens, kv_tokens, verify_ms))
+        if len(self._pending) >= PENDING_FOLD:
+            self._fold()
 
     def observe_draft(self, max_depth: int, total_nodes: int, level_kv_tokens: float, draft_ms: float) -> None:
-        # Normal equations over x = [spec, depth, nodes, level-KV (millions)],
-        # kept as plain floats: this runs once per step.
-        x = (1.0 if max_depth > 0 else 0.0, float(max_depth), float(total_nodes), level_kv_tokens / _KV_SCALE)
-        if self._draft_weight >= self.max_cell_weight * 4:
-            self._draft_xtx = [v * 0.999 for v in self._draft_xtx]
-            self._draft_xty = [v * 0.999 for v in self._draft_xty]
-            self._draft_weight *= 0.999
-        xtx, xty = self._draft_xtx, self._draft_xty
-        for i in range(4):
-            xty[i] += x[i] * draft_ms
-            for j in range(4):
-                xtx[4 * i + j] += x[i] * x[j]
-        self._draft_weight += 1.0
+        self._pending_draft.append((1.0 if max_depth > 0 else 0.0, max_depth, total_nodes,
+                                    level_kv_tokens / _KV_SCALE, draft_ms))
+        if len(self._pending_draft) >= PENDING_FOLD:
+            self._fold()
 
     def observe_step(self, batch_tokens: int, kv_tokens: int, max_depth: int, total_nodes: int,
                      level_kv_tokens: float, draft_ms: float, verify_ms: float) -> None:
         self.observe_verify(batch_tokens, kv_tokens, verify_ms)
         self.observe_draft(max_depth, total_nodes, level_kv_tokens, draft_ms)
 
+    def _fold(self) -> None:
+        """Move buffered observations into the grid and the normal equations
+        (vectorised: the per-step path only appends a tuple)."""
+        if self._pending:
+            obs = np.asarray(self._pending, dtype=float)  # [steps, (N, KV, T)]
+            self.samples += len(self._pending)
+            self._pending.clear()
+            n, kv, t = obs[:, 0], obs[:, 1], obs[:, 2]
+            # frexp's exponent of x >= 1 is int(x).bit_length(); 0 stays in cell 0.
+            b = np.where(n >= 1, np.minimum(np.frexp(np.maximum(n, 1.0))[1], BATCH_BITS - 1), 0)
+            k = np.where(kv >= 1, np.minimum(np.frexp(np.maximum(kv, 1.0))[1], KV_BITS - 1), 0)
+            cells = b * KV_BITS + k
+            for arr, values in ((self._w, np.ones_like(t)), (self._n, n), (self._kv, kv), (self._t, t),
+                                (self._t2, t * t)):
+                np.add.at(arr, cells, values)
+            over = self._w > self.max_cell_weight
+            if over.any():  # forget the oldest evidence of busy cells
+                scale = np.where(over, self.max_cell_weight / np.maximum(self._w, 1e-12), 1.0)
+                for arr in (self._w, self._n, self._kv, self._t, self._t2):
+                    arr *= scale
+        if self._pending_draft:
+            rows = np.asarray(self._pending_draft, dtype=float)  # [steps, (spec, depth, nodes, level-KV, y)]
+            self._pending_draft.clear()
+            x, y = rows[:, :4], rows[:, 4]
+            if self._draft_weight >= self.max_cell_weight * 4:
+                self._draft_xtx *= 0.5
+                self._draft_xty *= 0.5
+                self._draft_weight *= 0.5
+            self._draft_xtx += x.T @ x
+            self._draft_xty += x.T @ y
+            self._draft_weight += len(rows)
+
     def refit(self) -> CostParams:
-        w = np.asarray(self._w)
+        self._fold()
+        w = self._w
         used = np.flatnonzero(w > 0)
         params = self.prior
         if used.size:
             weights = w[used]
-            n = np.asarray(self._n)[used] / weights
-            kv = np.asarray(self._kv)[used] / weights
-            t = np.asarray(self._t)[used] / weights
+            n = self._n[used] / weights
+            kv = self._kv[used] / weights
+            t = self._t[used] / weights
             params = fit_max_planes(n, kv, t, weights, self.prior, self.prior_weight)
             # RMSE over every observation: within-cell spread plus fit error.
-            t2 = np.asarray(self._t2)[used] / weights
+            t2 = self._t2[used] / weights
             pred = params.verify_ms(n, kv)
             mse = np.sum(weights * (t2 - 2 * t * pred + pred**2)) / weights.sum()
             self.rmse_ms = float(math.sqrt(max(mse, 0.0)))
@@ -271,9 +283,8 @@ class StepCostModel:
         lam = self.prior_weight
         # min ||A θ - y||² + λ||θ - θ0||² with θ ≥ 0, via a Cholesky factor of
         # the regularised normal equations.
-        xtx = np.array(self._draft_xtx).reshape(4, 4)
-        factor = np.linalg.cholesky(xtx + lam * np.eye(4))
-        rhs = np.linalg.solve(factor, np.array(self._draft_xty) + lam * prior)
+        factor = np.linalg.cholesky(self._draft_xtx + lam * np.eye(4))
+        rhs = np.linalg.solve(factor, self._draft_xty + lam * prior)
         theta = nnls(factor.T, rhs)[0]
         return replace(params, draft_fixed_ms=float(theta[0]), draft_ms_per_level=float(theta[1]),
                        draft_ms_per_node=float(theta[2]), draft_ms_per_level_kv_token=float(theta[3] / _KV_SCALE))
