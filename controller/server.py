@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from controller.config import ServerConfig
 from controller.core import Controller
+from controller.recorder import TelemetryRecorder
 from controller.reload import PolicySource
 from controller.service import SERVICE_NAME, SpeculationControllerServicer, rpc_handlers
 from policies.presets import load_preset
@@ -34,6 +35,7 @@ class RunningServer:
     policy_source: PolicySource
     port: int
     tasks: list[asyncio.Task] = field(default_factory=list)
+    recorder: TelemetryRecorder | None = None
 
     @property
     def address(self) -> str:
@@ -43,6 +45,8 @@ class RunningServer:
         for task in self.tasks:
             task.cancel()
         await self.server.stop(grace)
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 async def start_server(config: ServerConfig, listen: str | None = None, clock=time.time) -> RunningServer:
@@ -50,6 +54,8 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
     policy = load_preset(config.policy)
     controller = Controller(config, policy, clock=clock)
     servicer = SpeculationControllerServicer(controller)
+    recorder = TelemetryRecorder(config.record, clock=clock) if config.record else None
+    servicer.recorder = recorder
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((rpc_handlers(servicer),))
     health = HealthServicer()
@@ -63,7 +69,7 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
     await server.start()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     source = PolicySource(controller, config.policy)
-    running = RunningServer(server, controller, servicer, source, port)
+    running = RunningServer(server, controller, servicer, source, port, recorder=recorder)
     running.tasks.append(asyncio.create_task(_housekeeping(running, config.policy_poll_interval_s)))
     try:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, source.reload)
@@ -83,11 +89,16 @@ async def _housekeeping(running: RunningServer, poll_interval_s: float) -> None:
         if now - last_poll >= poll_interval_s:
             last_poll = now
             running.policy_source.poll()
-        running.servicer.push_due_plans(plan.tick_s * plan.policy_cpu_fraction)
+        await running.servicer.push_due_plans(plan.tick_s * plan.policy_cpu_fraction)
 
 
 async def serve_forever(config: ServerConfig, listen: str | None = None) -> None:
     running = await start_server(config, listen)
-    print(f"specctl controller listening on {listen or config.listen} (policy {running.controller.policy.name})",
-          flush=True)
-    await running.server.wait_for_termination()
+    print(f"specctl controller listening on {listen or config.listen} (policy {running.controller.policy.name})"
+          + (f", recording telemetry to {config.record}" if config.record else ""), flush=True)
+    try:
+        await running.server.wait_for_termination()
+    finally:
+        if running.recorder is not None:
+            # Stop serving first so nothing is recorded after the file is closed.
+            await running.stop(0)

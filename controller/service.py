@@ -77,6 +77,7 @@ class SpeculationControllerServicer:
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
         self.streams: dict[str, Stream] = {}
+        self.recorder = None  # controller.recorder.TelemetryRecorder when serving with --record
         self._next_stream = 0
 
     # ------------------------------------------------------------- Connect
@@ -90,6 +91,8 @@ class SpeculationControllerServicer:
             what = first.error if isinstance(first, Malformed) else f"got {first.WhichOneof('payload')}"
             ctl.rejections[reason] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first message must be a hello ({what})")
+        if self.recorder is not None:
+            self.recorder.hello(first.hello)
         try:
             state = ctl.hello(first.hello)
         except Invalid as err:
@@ -129,6 +132,8 @@ class SpeculationControllerServicer:
         if isinstance(msg, Malformed):
             return [ctl.reject(state, Invalid(R.REJECT_REASON_MALFORMED, "<message>", msg.error))]
         kind = msg.WhichOneof("payload")
+        if self.recorder is not None:
+            self._record(state.worker_id, kind, msg)
         if kind == "reports":
             return ctl.ingest(state, msg.reports)
         if kind == "finished":
@@ -147,21 +152,35 @@ class SpeculationControllerServicer:
             rejection = ctl.reject(state, Invalid(R.REJECT_REASON_MALFORMED, "payload", "empty WorkerMessage"))
         return [rejection] if rejection is not None else []
 
-    def _push_plans(self, stream: Stream) -> None:
+    def _record(self, worker_id: str, kind: str | None, msg) -> None:
+        if kind == "reports":
+            self.recorder.steps(worker_id, msg.reports)
+        elif kind == "finished":
+            self.recorder.finished(worker_id, msg.finished)
+        elif kind == "hello":
+            self.recorder.hello(msg.hello)
+
+    def _push_plans(self, stream: Stream) -> bool:
+        sent = False
         for item in self.controller.plan_updates(stream.state):
             stream.send(wrap(item))
+            sent = True
+        return sent
 
-    def push_due_plans(self, budget_s: float) -> None:
+    async def push_due_plans(self, budget_s: float) -> None:
         """Run due policies and push their plans, round-robin over the streams,
         within ``budget_s`` of CPU so telemetry ingest is never starved: with
-        many workers each one is simply re-planned less often."""
+        many workers each one is simply re-planned less often. After each push
+        the loop is yielded to, so the plan leaves now rather than after the
+        rest of the tick's policy runs."""
         streams = list(self.streams.values())
         if not streams:
             return
         start = time.perf_counter()
         first = self._next_stream % len(streams)
         for k in range(len(streams)):
-            self._push_plans(streams[(first + k) % len(streams)])
+            if self._push_plans(streams[(first + k) % len(streams)]):
+                await asyncio.sleep(0)
             if time.perf_counter() - start > budget_s:
                 self._next_stream = first + k + 1
                 return
@@ -176,6 +195,8 @@ class SpeculationControllerServicer:
         if not request.worker_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id: must be a non-empty string")
         if request.HasField("hello"):
+            if self.recorder is not None:
+                self.recorder.hello(request.hello)
             if request.hello.worker_id != request.worker_id:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"hello.worker_id={request.hello.worker_id!r} differs from worker_id={request.worker_id!r}")
@@ -189,6 +210,8 @@ class SpeculationControllerServicer:
                                 f"worker_id={request.worker_id!r} is unknown: include its hello in the first Decide")
         response = controller_pb2.DecideResponse()
         if request.HasField("reports"):
+            if self.recorder is not None:
+                self.recorder.steps(state.worker_id, request.reports)
             response.rejections.extend(ctl.ingest(state, request.reports))
             updates = ctl.plan_updates(state)
             for item in updates:  # a unary caller has no stream to ACK on: it applies what it is answered

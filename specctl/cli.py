@@ -29,6 +29,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.real:
+        from worker.demo_real import run_real_demo
+
+        return run_real_demo(duration_s=args.duration, policy=args.policy, drafter=args.drafter)
     from specctl.demo import run_demo
 
     return run_demo(duration_s=args.duration, scenario=args.scenario, policy=args.policy, out_dir=args.out)
@@ -40,8 +44,42 @@ def _bench(args: argparse.Namespace) -> int:
 
         return run_controller_bench(out_dir=args.out, workers=args.workers, duration_s=args.duration,
                                     steps_per_s=args.steps_per_s)
+    if args.what == "policies":
+        from bench.policies import run_policy_bench
+        from policies.presets import PresetError
+        from worker.sim.scenario import ScenarioError
+
+        try:
+            run_policy_bench(args.scenario, args.out, quick=args.quick, jobs=args.jobs,
+                             delay_steps=args.delay_steps, presets=args.policies, config_path=args.config,
+                             plots=not args.no_plots)
+        except (PresetError, ScenarioError) as err:
+            print(f"specctl bench policies: {err}", file=sys.stderr)
+            return 2
+        return 0
+    if args.what == "drift":
+        from bench.drift import run_drift_bench
+
+        return run_drift_bench(out_dir=args.out)
+    if args.what == "engine":
+        from worker.cli import bench_engine
+
+        return bench_engine(args)
     print(f"specctl bench: unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from bench.replay import run_replay
+    from controller.config import ConfigError
+    from policies.presets import PresetError
+
+    try:
+        return run_replay(args.file, args.policy, config_path=args.config, delay_steps=args.delay_steps,
+                          json_out=args.json)
+    except (PresetError, ConfigError, OSError) as err:
+        print(f"specctl replay: {err}", file=sys.stderr)
+        return 2
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -67,15 +105,42 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--scenario", default="demo", help="scenario name or YAML file (default: demo)")
     demo.add_argument("--policy", default="goodput", help="policy preset for the controlled fleet")
     demo.add_argument("--out", default="demo-results", help="directory for demo.json + demo.png")
+    demo.add_argument("--real", action="store_true",
+                      help="controller + a real SmolLM2 worker (engine, drafter, HTTP) + load from 1 to 8, chat to code")
+    demo.add_argument("--drafter", default="eagle", help="with --real: none, ngram, medusa or eagle")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=["controller"])
+    bench.add_argument("what", choices=["controller", "policies", "drift", "engine"])
     bench.add_argument("--out", default="bench/results", help="output directory for JSON + PNG")
     bench.add_argument("--workers", type=int, default=256)
     bench.add_argument("--duration", type=float, default=10.0, help="seconds of measured load")
     bench.add_argument("--steps-per-s", type=float, default=50.0, help="steps per second per worker")
+    pol = bench.add_argument_group("policies", "options of `bench policies`")
+    pol.add_argument("--quick", action="store_true", help="the shortened suite (CI): clocks x0.04, one replica per worker kind, coarse grid")
+    pol.add_argument("--scenario", action="append", metavar="FILE",
+                     help="scenario file or shipped name (repeatable; default: bench/scenarios/* but the demo)")
+    pol.add_argument("--policies", nargs="+", metavar="PRESET", help="presets to run (default: all shipped)")
+    pol.add_argument("--jobs", type=int, help="parallel processes (default: CPU count)")
+    pol.add_argument("--delay-steps", type=int, default=2, help="plan delivery delay in worker steps (default 2)")
+    pol.add_argument("--config", help="controller YAML config for the controller-driven runs")
+    pol.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    from worker.cli import add_bench_engine_options
+
+    add_bench_engine_options(bench)
     bench.set_defaults(func=_bench)
+
+    from worker.cli import add_worker_commands  # train-heads, worker, load (the reference worker)
+
+    add_worker_commands(sub)
+
+    replay = sub.add_parser("replay", help="estimate a policy's goodput on a telemetry recording (serve --record)")
+    replay.add_argument("file", help="recording written by `specctl serve --record` (gzip JSONL)")
+    replay.add_argument("--policy", required=True, help="policy preset name or file to evaluate")
+    replay.add_argument("--config", help="controller YAML config for the replayed controller")
+    replay.add_argument("--delay-steps", type=int, default=2, help="plan delivery delay in worker steps (default 2)")
+    replay.add_argument("--json", help="also write the result as JSON here")
+    replay.set_defaults(func=_replay)
 
     status = sub.add_parser("status", help="show the controller's workers, plans and models")
     status.add_argument("--controller", default="127.0.0.1:50051", help="HOST:PORT of the controller")

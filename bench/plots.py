@@ -1,0 +1,110 @@
+"""PNGs of ``specctl bench policies`` (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PRODUCT = "goodput"
+STYLE = {
+    "goodput": dict(color="#d62728", lw=2.4, zorder=5),
+    "oracle": dict(color="black", lw=1.6, ls="--", zorder=4),
+    "best_static": dict(color="#7f7f7f", lw=1.4, ls=":", zorder=3),
+    "trtllm-gate": dict(color="#1f77b4", lw=1.8, ls="-.", zorder=4),
+}
+PALETTE = ["#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#ff7f0e", "#aec7e8"]
+
+
+def _style(name: str, i: int) -> dict:
+    return STYLE.get(name, dict(color=PALETTE[i % len(PALETTE)], lw=1.1, zorder=2))
+
+
+METRICS = {
+    "goodput_tok_s": ("goodput (tok / s of GPU time)", "vs_oracle", "Goodput per policy"),
+    "request_tok_s": ("per-request decode speed (tok / s in the batch)", "request_vs_oracle",
+                      "Per-request decode speed per policy"),
+}
+
+
+def plot_goodput(report: dict, path: Path, metric: str = "goodput_tok_s") -> None:
+    """One panel per scenario: ``metric`` of every policy, annotated with its ratio to the oracle."""
+    xlabel, ratio_key, title = METRICS[metric]
+    scenarios = list(report["scenarios"])
+    cols = min(3, len(scenarios))
+    rows = math.ceil(len(scenarios) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, scenarios):
+        entry = report["scenarios"][name]["policies"]
+        names = list(entry)
+        values = [entry[n][metric] for n in names]
+        colors = ["#d62728" if n == PRODUCT else "black" if n == "oracle" else "#7f7f7f" if n == "best_static"
+                  else "#9ecae1" for n in names]
+        y = range(len(names))
+        ax.barh(y, values, color=colors)
+        ax.set_yticks(list(y), [f"{n} (d={entry[n]['config']['depth']} w={entry[n]['config']['width']})"
+                                if n == "best_static" else n for n in names], fontsize=7)
+        ax.invert_yaxis()
+        top = max(values) if values else 1.0
+        for k, n in enumerate(names):
+            ratio = entry[n].get(ratio_key)
+            if ratio is not None:
+                ax.text(values[k] + top * 0.01, k, f"{ratio:.2f}", va="center", fontsize=7)
+        ax.set_xlim(0, top * 1.15)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+    for ax in list(axes.flat)[len(scenarios):]:
+        ax.axis("off")
+    quick = " (quick)" if report["meta"].get("quick") else ""
+    fig.suptitle(f"{title}{quick}; numbers: ratio to the oracle", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_series(name: str, series: dict[str, dict], entry: dict, path: Path) -> None:
+    """Decisions (mean depth used per request-step) and goodput over time, every policy;
+    the oracle's true mean acceptance of position 1 on a second axis."""
+    fig, (ax_depth, ax_good, ax_batch) = plt.subplots(3, 1, figsize=(11, 9.5), sharex=True)
+    names = sorted(series, key=lambda n: (n in (PRODUCT, "oracle", "trtllm-gate"), n))
+    for i, n in enumerate(names):
+        s = series[n]
+        t = s["t_s"]
+        style = _style(n, i)
+        label = n
+        if n == "best_static":
+            c = entry["policies"][n]["config"]
+            label = f"best_static d={c['depth']} w={c['width']}"
+        ax_depth.plot(t, _nan(s["mean_depth"]), label=label, **style)
+        ax_good.plot(t, _nan(s["goodput_tok_s"]), label=label, **style)
+        ax_batch.plot(t, _nan(s["mean_batch"]), label=label, **style)
+    oracle = series.get("oracle", {})
+    if oracle.get("true_alpha1"):
+        twin = ax_depth.twinx()
+        twin.plot(oracle["t_s"], _nan(oracle["true_alpha1"]), color="#2ca02c", lw=1.0, alpha=0.6,
+                  label="true α₁ (mean over requests)")
+        twin.set_ylabel("true α₁", color="#2ca02c", fontsize=8)
+        twin.tick_params(axis="y", labelsize=7, colors="#2ca02c")
+        twin.legend(loc="lower right", fontsize=7)
+    ax_depth.set_ylabel("mean depth used\n(0 = off)", fontsize=8)
+    ax_good.set_ylabel("goodput (tok/s)", fontsize=8)
+    ax_batch.set_ylabel("mean batch size", fontsize=8)
+    ax_batch.set_xlabel("scenario time (s)", fontsize=8)
+    for ax in (ax_depth, ax_good, ax_batch):
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    ax_depth.legend(loc="upper left", fontsize=6.5, ncol=3)
+    ax_depth.set_title(f"{name}: decisions and goodput over time (bins of {series[names[0]]['t_s'][0] * 2:.1f} s)",
+                       fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _nan(values: list) -> list[float]:
+    return [math.nan if v is None else v for v in values]

@@ -1,0 +1,788 @@
+"""``specctl bench policies``: every policy preset against a hindsight-best
+static configuration and a per-step oracle, on the scenario suite.
+
+For each scenario (``bench/scenarios/*.yaml`` except the demo, or the files
+given) the simulated fleet (:mod:`worker.sim`) runs once per
+
+- **preset** in ``policies/presets/``: driven through the real controller —
+  a :class:`controller.core.Controller` with the server's configuration and
+  a simulated clock. After every engine step the worker's telemetry goes
+  through :func:`worker.agent.step_to_proto` into ``Controller.ingest``,
+  finished requests into ``Controller.finished``; ``plan_updates`` is asked
+  for plans, which reach the worker ``delay_steps`` of its own steps later
+  (the network), are compiled with :func:`worker.agent.compile_plan` exactly
+  as the agent does, and are ACKed. Until its first plan a worker runs the
+  fallback (speculation off, the agent's default).
+- ``best_static``: the grid depth ∈ {0..max_depth} × width ∈ {1, 2, 4}
+  (node budget depth × width), each a fixed decision for every request and
+  step; the best by goodput in hindsight, and the config it chose. The grid
+  is searched in two phases to fit the time budget: every point on the
+  scenario with its clock scaled by :data:`SCOUT_TIME_SCALE` (same rates, so
+  the same regimes), then the best three by goodput — and the best by
+  per-request speed — at full length; the hindsight best of those wins. A
+  fixed decision needs no feedback, so the grid runs without the controller
+  (and without the few fallback steps a controller-driven static preset has).
+- ``oracle``: :class:`bench.oracle.OracleDecider` — the true acceptance and
+  step cost, the goodput-optimal allocation every step (the ceiling).
+
+Every run of a scenario sees the same arrivals: the simulator draws them
+from a seed stream no decision touches. Time is simulated (the controller's
+clock is the simulator's), so a seed gives the same numbers on any machine
+and at any ``--jobs``.
+
+Metrics per run (``DIR/policies.json``):
+
+- ``goodput_tok_s``: tokens emitted per second of GPU step time, fleet-wide
+  (Σ tokens / Σ busy seconds);
+- ``tpot_ms_mean`` / ``tpot_ms_p99``: per finished request, milliseconds in
+  the batch per output token;
+- ``mean_accepted``: mean τ (accepted draft tokens, bonus excluded) per
+  request-step that speculated — the engines' "acceptance length − 1";
+- ``spec_fraction``: share of request-steps that speculated;
+- ``vs_oracle`` / ``vs_best_static``: goodput ratios;
+- ``request_tok_s``: Σ tokens / Σ (batch size × step time), a request's
+  decode speed in the batch (≈ 1000 / TPOT), with ``request_vs_oracle`` /
+  ``request_vs_best_static``. In an open system whose GPU never idles and
+  never saturates, goodput is set by the arrivals (every policy emits the
+  same tokens over the same busy time); the per-request speed is where a
+  better policy shows then.
+
+``--quick`` compresses every scenario's clock (durations, change times,
+burst dwell times) by :data:`QUICK_TIME_SCALE` at unchanged arrival rates,
+so the load regimes stay and only their length shrinks, keeps one replica
+per worker kind, and runs a coarse static grid in one phase: a smoke test for CI, its ratios are not results
+(the controller barely warms up in a few simulated seconds).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from controller.config import ServerConfig, load_config
+from controller.core import Controller
+from policies.presets import list_presets, load_preset
+from policies.table import Decision, DecisionTable
+from protos.speculation.v1 import plan_pb2, worker_pb2
+from worker.agent import compile_plan, step_to_proto
+from worker.sim.hello import hello_proto
+from worker.sim.scenario import Scenario, load_scenario, scenario_from_dict, shipped_scenarios
+from worker.sim.worker import SimWorker, StepResult
+
+DEFAULT_DELAY_STEPS = 2
+GRID_WIDTHS = (1, 2, 4)
+QUICK_TIME_SCALE = 0.04
+QUICK_GRID_DEPTHS = (0, 2, 4, 8)
+QUICK_GRID_WIDTHS = (1, 4)
+SCOUT_TIME_SCALE = 0.25
+SERIES_BINS = 60
+EXCLUDED_BY_DEFAULT = ("demo",)  # the demo's fleet, not a benchmark scenario
+REFERENCES = ("best_static", "oracle")
+
+# Goal tags by scenario name (issue 3): which scenarios the ratio goals name.
+GOAL_TAGS = {
+    "context-shift": "shift",
+    "content-drift": "drift",
+    "bursty": "bursty",
+    "mixed-fleet": "mixed",
+    "threshold-cliff": "cliff",
+}
+BEAT_STATIC_TAGS = ("shift", "drift", "bursty", "mixed")
+CLIFF_RIVALS = ("vllm-batch-table", "trtllm-concurrency")
+PRODUCT = "goodput"
+
+
+# ----------------------------------------------------------------- scenarios
+def suite_paths(paths: Sequence[str | Path] | None = None) -> list[Path]:
+    """The scenario files to run: the given ones, else every shipped one but the demo."""
+    if paths:
+        out = []
+        for p in paths:
+            path = Path(p)
+            if not path.exists() and not path.suffix:
+                path = Path(load_scenario_path(str(p)))
+            out.append(path)
+        return out
+    return [p for p in shipped_scenarios() if p.stem not in EXCLUDED_BY_DEFAULT]
+
+
+def load_scenario_path(name: str) -> Path:
+    from worker.sim.scenario import SCENARIO_DIR
+
+    return SCENARIO_DIR / f"{name}.yaml"
+
+
+def compress_time(data: dict, scale: float) -> dict:
+    """The scenario with its clock scaled by ``scale``: duration, change times and
+    ramps, bursty dwell times. Arrival rates and lengths are unchanged, so the
+    batch sizes (the regimes) stay and only the phases get shorter."""
+    data = json.loads(json.dumps(data))
+    data["duration_s"] = data["duration_s"] * scale
+    for change in data.get("changes") or []:
+        change["at_s"] = change["at_s"] * scale
+        change["over_s"] = change.get("over_s", 0.0) * scale
+
+    def dwell(traffic: dict | None) -> None:
+        arrivals = (traffic or {}).get("arrivals") or {}
+        if arrivals.get("kind") == "bursty":
+            arrivals["mean_on_s"] *= scale
+            arrivals["mean_off_s"] *= scale
+
+    dwell(data.get("traffic"))
+    for worker in data.get("workers") or []:
+        dwell(worker.get("traffic"))
+    return data
+
+
+def scenario_data(path: Path, quick: bool) -> dict:
+    """A scenario file as a dict; ``quick``: its clock compressed and one replica per worker kind."""
+    scenario = load_scenario(path)
+    data = scenario.model_dump(mode="json", exclude_none=True)
+    if not quick:
+        return data
+    for worker in data["workers"]:
+        worker["count"] = 1
+    return compress_time(data, QUICK_TIME_SCALE)
+
+
+# -------------------------------------------------------------- the fleet loop
+def drive(
+    workers: Sequence[SimWorker],
+    deciders: Sequence[Callable[[str, int, int], Decision]],
+    until_s: float,
+    before: Callable[[int, float], None] | None = None,
+    after: Callable[[int, StepResult], None] | None = None,
+) -> None:
+    """Step the fleet in one simulated clock, always the worker furthest behind
+    (as :func:`worker.sim.runner.run_fleet_simulated`), with hooks around steps."""
+    clock = [(0.0, i) for i in range(len(workers))]
+    heapq.heapify(clock)
+    while clock:
+        now, i = heapq.heappop(clock)
+        if now >= until_s:
+            continue
+        if before is not None:
+            before(i, now)
+        result = workers[i].step(now, deciders[i])
+        if result.idle:
+            nxt = min(result.end, until_s) if math.isfinite(result.end) else until_s
+        else:
+            nxt = result.end
+            if after is not None:
+                after(i, result)
+        heapq.heappush(clock, (nxt, i))
+
+
+class Series:
+    """Per time bin, fleet-wide: tokens, busy time, request-steps, depth used, τ."""
+
+    FIELDS = ("tokens", "busy_s", "request_steps", "depth_sum", "spec_steps", "accepted", "batch_sum", "steps",
+              "request_s")
+
+    def __init__(self, duration_s: float, bins: int = SERIES_BINS) -> None:
+        self.bin_s = duration_s / bins
+        self.data = np.zeros((len(self.FIELDS), bins))
+        self.bins = bins
+
+    def add(self, result: StepResult) -> None:
+        t = result.telemetry
+        b = min(int(result.now / self.bin_s), self.bins - 1)
+        depths = [r.depth for r in t.requests]
+        col = self.data[:, b]
+        col[0] += result.tokens
+        col[1] += result.duration_s
+        col[2] += len(depths)
+        col[3] += sum(depths)
+        col[4] += sum(1 for d in depths if d)
+        col[5] += sum(r.accepted for r in t.requests)
+        col[6] += t.batch_size
+        col[7] += 1
+        col[8] += t.batch_size * result.duration_s
+
+    def request_tok_s(self) -> float:
+        """Σ tokens / Σ (batch size × step time): each request's decode speed, token-weighted."""
+        total = self.data[8].sum()
+        return float(self.data[0].sum() / total) if total > 0 else 0.0
+
+    def export(self) -> dict[str, list[float]]:
+        d = dict(zip(self.FIELDS, self.data))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = {
+                "t_s": ((np.arange(self.bins) + 0.5) * self.bin_s).tolist(),
+                "goodput_tok_s": np.where(d["busy_s"] > 0, d["tokens"] / d["busy_s"], np.nan).tolist(),
+                "request_tok_s": np.where(d["request_s"] > 0, d["tokens"] / d["request_s"], np.nan).tolist(),
+                "mean_depth": np.where(d["request_steps"] > 0, d["depth_sum"] / d["request_steps"], np.nan).tolist(),
+                "spec_fraction": np.where(d["request_steps"] > 0, d["spec_steps"] / d["request_steps"], np.nan).tolist(),
+                "mean_accepted": np.where(d["spec_steps"] > 0, d["accepted"] / d["spec_steps"], np.nan).tolist(),
+                "mean_batch": np.where(d["steps"] > 0, d["batch_sum"] / d["steps"], np.nan).tolist(),
+            }
+        return {k: [None if (isinstance(x, float) and math.isnan(x)) else round(x, 4) for x in v] for k, v in out.items()}
+
+
+def fleet_metrics(workers: Sequence[SimWorker]) -> dict[str, Any]:
+    tokens = sum(w.stats.tokens for w in workers)
+    busy = sum(w.stats.busy_s for w in workers)
+    request_steps = sum(w.stats.request_steps for w in workers)
+    spec = sum(w.stats.spec_request_steps for w in workers)
+    accepted = sum(w.stats.accepted_tokens for w in workers)
+    tpot = np.array([r.tpot_ms for w in workers for r in w.stats.finished])
+    per_worker = {
+        w.worker_id: {
+            "goodput_tok_s": round(w.stats.goodput, 2),
+            "spec_fraction": round(w.stats.speculation_fraction, 4),
+            "mean_accepted": round(w.stats.mean_accepted_speculating, 4),
+            "mean_batch": round(w.stats.request_steps / w.stats.steps, 2) if w.stats.steps else 0.0,
+            "mean_nodes": round(w.stats.draft_nodes / w.stats.request_steps, 3) if w.stats.request_steps else 0.0,
+        }
+        for w in workers
+    }
+    return {
+        "goodput_tok_s": round(tokens / busy, 3) if busy else 0.0,
+        "tpot_ms_mean": round(float(tpot.mean()), 4) if tpot.size else None,
+        "tpot_ms_p99": round(float(np.quantile(tpot, 0.99)), 4) if tpot.size else None,
+        "mean_accepted": round(accepted / spec, 4) if spec else 0.0,
+        "spec_fraction": round(spec / request_steps, 4) if request_steps else 0.0,
+        "tokens": tokens,
+        "busy_s": round(busy, 4),
+        "request_steps": request_steps,
+        "finished": sum(len(w.stats.finished) for w in workers),
+        "workers": per_worker,
+    }
+
+
+# ------------------------------------------------------- the controller path
+class WorkerLink:
+    """The worker side of one connection, as :class:`worker.agent.SpeculationAgent`
+    applies plans: compiled tables, per-request overrides, ACK or NACK — with
+    every message delivered ``delay_steps`` of this worker's steps after the
+    controller produced it."""
+
+    def __init__(self, worker: SimWorker, controller: Controller, delay_steps: int, fallback: Decision) -> None:
+        self.hello = hello_proto(worker.hello)
+        self.controller = controller
+        self.state = controller.hello(self.hello)
+        self.delay_steps = delay_steps
+        self.table = DecisionTable.uniform(fallback, (1,), (0,))
+        self.overrides: dict[str, Decision] = {}
+        self.version = 0
+        self.steps = 0
+        self.pending: deque = deque()
+        self.plans_applied = 0
+        self.nacks = 0
+        self.rejections = 0
+
+    def decide(self, request_id: str, context_len: int, batch_size: int) -> Decision:
+        override = self.overrides.get(request_id)
+        if override is not None:
+            return override
+        return self.table.lookup(batch_size, context_len)
+
+    def after_step(self, result: StepResult) -> None:
+        ctl, state = self.controller, self.state
+        reports = worker_pb2.StepReports(steps=[step_to_proto(result.telemetry)])
+        self.rejections += len(ctl.ingest(state, reports))
+        for s in result.finished:
+            msg = worker_pb2.RequestFinished(request_id=s.request_id, generated_tokens=s.generated_tokens,
+                                             steps=s.steps, accepted_tokens=s.accepted_tokens, timestamp=s.timestamp)
+            if ctl.finished(state, msg) is not None:
+                self.rejections += 1
+            self.overrides.pop(s.request_id, None)
+        self.steps += 1
+        for item in ctl.plan_updates(state):
+            self.pending.append((self.steps + self.delay_steps, item))
+        while self.pending and self.pending[0][0] <= self.steps:
+            self.deliver(self.pending.popleft()[1])
+
+    def deliver(self, item: plan_pb2.Plan | plan_pb2.RequestDecisions) -> None:
+        """Apply one controller message as the agent does, and answer it."""
+        ctl, state = self.controller, self.state
+        try:
+            if isinstance(item, plan_pb2.Plan):
+                self.table = compile_plan(item, self.hello, self.version)
+                self.version = item.version
+                self.plans_applied += 1
+            else:
+                d = self.hello.drafter
+                overrides = dict(self.overrides)
+                for rd in item.decisions:
+                    cell = rd.decision
+                    if cell.depth > d.max_depth or cell.width > d.max_width or cell.max_nodes > d.max_tree_nodes:
+                        raise ValueError(f"decision for {rd.request_id!r} exceeds the drafter's limits")
+                    overrides[rd.request_id] = Decision(cell.depth, cell.width, cell.max_nodes)
+                for rid in item.cleared:
+                    overrides.pop(rid, None)
+                self.overrides = overrides
+        except ValueError as err:
+            self.nacks += 1
+            ctl.nack(state, worker_pb2.Nack(version=item.version, nonce=item.nonce, reason=str(err)))
+            return
+        ctl.ack(state, worker_pb2.Ack(version=item.version, nonce=item.nonce))
+
+
+class ControlledFleet:
+    """A fleet whose decisions come from a :class:`Controller` in simulated time."""
+
+    def __init__(self, workers: Sequence[SimWorker], policy, config: ServerConfig, delay_steps: int,
+                 fallback: Decision = Decision.off()) -> None:
+        self.now = 0.0
+        self.controller = Controller(config, policy, clock=lambda: self.now)
+        self.links = [WorkerLink(w, self.controller, delay_steps, fallback) for w in workers]
+
+    def after(self, i: int, result: StepResult) -> None:
+        # A step's report reaches the controller when the step ends.
+        if result.end > self.now:
+            self.now = result.end
+        self.links[i].after_step(result)
+
+
+# ------------------------------------------------------------------- one run
+@dataclass(frozen=True)
+class Job:
+    """One run of one scenario.
+
+    ``kind``: ``preset`` (arg: preset name), ``oracle``, ``static`` (arg:
+    (depth, width), full length) or ``scout`` (arg: (depth, width), on the
+    scenario at :data:`SCOUT_TIME_SCALE` — the first phase of the grid).
+    """
+
+    scenario: str
+    kind: str
+    arg: Any
+    data: dict = field(compare=False, repr=False)
+    delay_steps: int = DEFAULT_DELAY_STEPS
+    config: dict | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        if self.kind in ("static", "scout"):
+            return f"{self.kind} d={self.arg[0]} w={self.arg[1]}"
+        return str(self.arg) if self.kind == "preset" else self.kind
+
+    def cost_estimate(self) -> float:
+        d = self.data
+        workers = sum(w.get("count", 1) for w in d["workers"])
+        factor = {"preset": 2.0, "oracle": 3.0}.get(self.kind, 1.0)
+        return d["duration_s"] * workers * factor
+
+
+def static_decision(depth: int, width: int) -> Decision:
+    return Decision(depth, width, depth * width) if depth else Decision.off()
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Run one job; returns its metrics, time series and wall time."""
+    started = time.perf_counter()
+    scenario: Scenario = scenario_from_dict(job.data, job.scenario)
+    workers = SimWorker.fleet(scenario)
+    series = Series(scenario.duration_s)
+    extra: dict[str, Any] = {}
+
+    def record(i: int, result: StepResult) -> None:
+        series.add(result)
+
+    if job.kind in ("static", "scout"):
+        decision = static_decision(*job.arg)
+        drive(workers, [lambda rid, ctx, b: decision] * len(workers), scenario.duration_s, after=record)
+        extra["config"] = {"depth": decision.depth, "width": decision.width, "max_nodes": decision.max_nodes}
+    elif job.kind == "oracle":
+        from bench.oracle import OracleDecider
+
+        oracles = [OracleDecider(w) for w in workers]
+        alpha = np.zeros((2, series.bins))
+
+        def before(i: int, now: float) -> None:
+            oracles[i].begin_step(now)
+
+        def after(i: int, result: StepResult) -> None:
+            series.add(result)
+            b = min(int(result.now / series.bin_s), series.bins - 1)
+            o = oracles[i]
+            alpha[0, b] += o.alpha1_sum
+            alpha[1, b] += o.alpha1_n
+            o.alpha1_sum, o.alpha1_n = 0.0, 0
+
+        drive(workers, oracles, scenario.duration_s, before=before, after=after)
+        extra["true_alpha1"] = [None if not n else round(float(s / n), 4) for s, n in alpha.T]
+    elif job.kind == "preset":
+        config = ServerConfig.model_validate(job.config) if job.config else ServerConfig()
+        fleet = ControlledFleet(workers, load_preset(job.arg), config, job.delay_steps)
+
+        def after(i: int, result: StepResult) -> None:
+            series.add(result)
+            fleet.after(i, result)
+
+        drive(workers, [link.decide for link in fleet.links], scenario.duration_s, after=after)
+        extra["controller"] = {
+            "plans_applied": sum(link.plans_applied for link in fleet.links),
+            "nacks": sum(link.nacks for link in fleet.links),
+            "rejections": sum(link.rejections for link in fleet.links),
+        }
+    else:
+        raise ValueError(f"unknown job kind {job.kind!r}")
+    out = fleet_metrics(workers)
+    out["request_tok_s"] = round(series.request_tok_s(), 3)
+    out.update(extra)
+    out["series"] = series.export() if job.kind != "scout" else None
+    out["wall_s"] = round(time.perf_counter() - started, 3)
+    return out
+
+
+# -------------------------------------------------------------- the benchmark
+@dataclass
+class ScenarioPlan:
+    """The runs of one scenario; the grid's second phase is decided from the first."""
+
+    name: str
+    data: dict
+    presets: Sequence[str]
+    grid: list[tuple[int, int]]
+    delay_steps: int
+    config: dict | None
+    scout: bool  # two-phase grid (full suite) or every grid point at full length (quick)
+    finalists: int = 3
+    scouts_left: int = 0
+    finals: list[tuple[int, int]] = field(default_factory=list)
+    scout_results: dict = field(default_factory=dict)
+
+    def first_jobs(self) -> list[Job]:
+        jobs = [Job(self.name, "preset", p, self.data, self.delay_steps, self.config) for p in self.presets]
+        jobs.append(Job(self.name, "oracle", None, self.data, self.delay_steps))
+        if self.scout:
+            scout_data = compress_time(self.data, SCOUT_TIME_SCALE)
+            jobs += [Job(self.name, "scout", dw, scout_data) for dw in self.grid]
+            self.scouts_left = len(self.grid)
+        else:
+            jobs += [Job(self.name, "static", dw, self.data) for dw in self.grid]
+        return jobs
+
+    def expected_runs(self) -> int:
+        return len(self.presets) + 1 + len(self.grid) + (self.finalists + 1 if self.scout else 0)
+
+    def on_done(self, job: Job, result: dict) -> list[Job]:
+        """Second phase: once every scout is in, the best by goodput (and the best by
+        per-request speed) run at full length."""
+        if job.kind != "scout":
+            return []
+        self.scout_results[job.arg] = result
+        self.scouts_left -= 1
+        if self.scouts_left:
+            return []
+        by_goodput = sorted(self.scout_results, key=lambda a: -self.scout_results[a]["goodput_tok_s"])
+        by_speed = max(self.scout_results, key=lambda a: self.scout_results[a]["request_tok_s"])
+        self.finals = list(dict.fromkeys(by_goodput[: self.finalists] + [by_speed]))
+        return [Job(self.name, "static", dw, self.data) for dw in self.finals]
+
+
+def grid_points(data: dict, depths: Sequence[int] | None, widths: Sequence[int]) -> list[tuple[int, int]]:
+    max_depth = max(w["drafter"].get("max_depth") or 8 for w in data["workers"])
+    depths = range(max_depth + 1) if depths is None else [d for d in depths if d <= max_depth]
+    return [(d, w) for d in depths for w in ([1] if d == 0 else widths)]
+
+
+def summarise(plan: ScenarioPlan, results: dict[Job, dict]) -> tuple[dict, dict]:
+    """(policies.json entry, series entry) of one scenario."""
+    runs = {job: r for job, r in results.items() if job.scenario == plan.name}
+    policies: dict[str, dict] = {}
+    series: dict[str, dict] = {}
+    statics = []
+    for job, r in runs.items():
+        if job.kind == "scout":
+            continue
+        if job.kind == "static":
+            statics.append((job, r))
+            continue
+        key = job.arg if job.kind == "preset" else job.kind
+        entry = {k: v for k, v in r.items() if k not in ("series", "true_alpha1")}
+        policies[key] = entry
+        series[key] = dict(r["series"])
+        if r.get("true_alpha1") is not None:
+            series[key]["true_alpha1"] = r["true_alpha1"]
+    grid = []
+    for job, r in statics:
+        grid.append({**r["config"], "goodput_tok_s": r["goodput_tok_s"], "request_tok_s": r["request_tok_s"],
+                     "tpot_ms_mean": r["tpot_ms_mean"], "phase": "full"})
+    for job, r in runs.items():
+        if job.kind == "scout":
+            grid.append({**r["config"], "goodput_tok_s": r["goodput_tok_s"], "request_tok_s": r["request_tok_s"],
+                         "tpot_ms_mean": r["tpot_ms_mean"], "phase": f"scout x{SCOUT_TIME_SCALE}"})
+    best_speed = None
+    if statics:
+        # Hindsight best by goodput; ties (equal to the reported precision) go to
+        # the faster per-request decode, then to the smaller config.
+        job, best = max(statics, key=lambda jr: (jr[1]["goodput_tok_s"], jr[1]["request_tok_s"],
+                                                 -jr[0].arg[0], -jr[0].arg[1]))
+        entry = {k: v for k, v in best.items() if k != "series"}
+        _, fastest = max(statics, key=lambda jr: (jr[1]["request_tok_s"], -jr[0].arg[0], -jr[0].arg[1]))
+        best_speed = fastest["request_tok_s"]
+        entry["best_by_request_tok_s"] = {**fastest["config"], "request_tok_s": fastest["request_tok_s"],
+                                          "goodput_tok_s": fastest["goodput_tok_s"]}
+        policies["best_static"] = entry
+        series["best_static"] = best["series"]
+    oracle = policies.get("oracle", {})
+    static = policies.get("best_static", {})
+    for entry in policies.values():
+        entry["vs_oracle"] = _ratio(entry["goodput_tok_s"], oracle.get("goodput_tok_s"))
+        entry["vs_best_static"] = _ratio(entry["goodput_tok_s"], static.get("goodput_tok_s"))
+        entry["request_vs_oracle"] = _ratio(entry["request_tok_s"], oracle.get("request_tok_s"))
+        entry["request_vs_best_static"] = _ratio(entry["request_tok_s"], best_speed)
+    ordered = dict(sorted(policies.items(), key=lambda kv: (kv[0] in REFERENCES, kv[0] != PRODUCT, kv[0])))
+    entry = {
+        "duration_s": plan.data["duration_s"],
+        "workers": [wid for w in plan.data["workers"] for wid in
+                    ([w["id"]] if w.get("count", 1) == 1 else [f"{w['id']}-{i}" for i in range(w["count"])])],
+        "has_changes": bool(plan.data.get("changes")),
+        "policies": ordered,
+        "grid": sorted(grid, key=lambda g: (g["phase"] != "full", g["depth"], g["width"])),
+    }
+    entry["goals"] = scenario_goals(plan.name, ordered, "goodput_tok_s")
+    entry["goals_request_tok_s"] = scenario_goals(plan.name, ordered, "request_tok_s")
+    return entry, series
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def scenario_goals(name: str, policies: dict[str, dict], metric: str = "goodput_tok_s") -> dict[str, Any]:
+    """The issue's ratio goals for the product policy on one scenario, on ``metric``."""
+    product = policies.get(PRODUCT)
+    if product is None:
+        return {}
+    g = product[metric]
+    goals: dict[str, Any] = {}
+    oracle = policies.get("oracle")
+    if oracle and oracle[metric]:
+        ratio = g / oracle[metric]
+        goals["vs_oracle>=0.95"] = {"value": round(ratio, 4), "met": ratio >= 0.95}
+    baselines = {k: v[metric] for k, v in policies.items() if k not in REFERENCES and k != PRODUCT}
+    if baselines:
+        best_name = max(baselines, key=baselines.get)
+        ratio = g / baselines[best_name] if baselines[best_name] else math.inf
+        goals["vs_best_baseline>=0.98"] = {"value": round(ratio, 4), "baseline": best_name, "met": ratio >= 0.98}
+    tag = GOAL_TAGS.get(name)
+    static = policies.get("best_static")
+    if tag in BEAT_STATIC_TAGS and static:
+        reference = static[metric] if metric == "goodput_tok_s" else static["best_by_request_tok_s"][metric]
+        ratio = g / reference if reference else math.inf
+        goals["vs_best_static>=1.10"] = {"value": round(ratio, 4), "met": ratio >= 1.10}
+    if tag == "cliff":
+        for rival in CLIFF_RIVALS:
+            if rival in policies and policies[rival][metric]:
+                ratio = g / policies[rival][metric]
+                goals[f"vs_{rival}>=1.3"] = {"value": round(ratio, 4), "met": ratio >= 1.3}
+    return goals
+
+
+def execute(plans: Sequence[ScenarioPlan], n_jobs: int, progress=None, tasks: dict | None = None) -> dict[Job, dict]:
+    """Run every plan's jobs on ``n_jobs`` processes (``<= 1``: in this process).
+
+    Jobs start heaviest first, the grid's scouts before them (they are short
+    and decide the second phase, which is queued as soon as they are in).
+    """
+    results: dict[Job, dict] = {}
+    by_name = {p.name: p for p in plans}
+    first = [job for p in plans for job in p.first_jobs()]
+    queue = deque(sorted(first, key=lambda j: (j.kind != "scout", -j.cost_estimate())))
+
+    def done(job: Job, result: dict) -> list[Job]:
+        results[job] = result
+        if progress is not None and tasks is not None:
+            progress.advance(tasks[job.scenario])
+            progress.advance(tasks["__all__"])
+        more = by_name[job.scenario].on_done(job, result)
+        if progress is not None and tasks is not None and job.kind == "scout" and not by_name[job.scenario].scouts_left:
+            plan = by_name[job.scenario]
+            surplus = plan.finalists + 1 - len(plan.finals)
+            if surplus:
+                t = progress.tasks[tasks[job.scenario]]
+                progress.update(tasks[job.scenario], total=t.total - surplus)
+                progress.update(tasks["__all__"], total=progress.tasks[tasks["__all__"]].total - surplus)
+        return more
+
+    if n_jobs <= 1:
+        while queue:
+            job = queue.popleft()
+            queue.extend(done(job, run_job(job)))
+        return results
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(max_workers=n_jobs, mp_context=mp.get_context("spawn")) as pool:
+        running = {pool.submit(run_job, job): job for job in queue}
+        while running:
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                job = running.pop(future)
+                for extra in done(job, future.result()):
+                    running[pool.submit(run_job, extra)] = extra
+    return results
+
+
+def run_policy_bench(
+    scenarios: Sequence[str | Path] | None = None,
+    out_dir: str | Path = "bench/results",
+    *,
+    quick: bool = False,
+    jobs: int | None = None,
+    delay_steps: int = DEFAULT_DELAY_STEPS,
+    presets: Sequence[str] | None = None,
+    config_path: str | None = None,
+    grid_depths: Sequence[int] | None = None,
+    grid_widths: Sequence[int] | None = None,
+    scout: bool | None = None,
+    plots: bool = True,
+    console=None,
+    scenario_data_override: dict[str, dict] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark, write ``policies.json`` (+ ``series.json`` and PNGs), return the report.
+
+    ``scenario_data_override``: {name: scenario dict} to run instead of files
+    (tests); ``scout``: two-phase grid (default: on for the full suite, off
+    for ``--quick``, which runs its coarse grid at full length).
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    started = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    presets = list(presets) if presets else list_presets()
+    for name in presets:
+        load_preset(name)  # refuse a bad name before any run
+    config = load_config(config_path).model_dump(mode="json") if config_path else None
+    if grid_depths is None and quick:
+        grid_depths = QUICK_GRID_DEPTHS
+    if grid_widths is None:
+        grid_widths = QUICK_GRID_WIDTHS if quick else GRID_WIDTHS
+    if scout is None:
+        scout = not quick
+    datas: dict[str, dict] = dict(scenario_data_override or {})
+    if not datas:
+        for path in suite_paths(scenarios):
+            data = scenario_data(path, quick)
+            datas[data["name"]] = data
+    plans = [ScenarioPlan(name, data, presets, grid_points(data, grid_depths, grid_widths), delay_steps, config, scout)
+             for name, data in datas.items()]
+    n_runs = sum(p.expected_runs() for p in plans)
+    n_jobs = jobs if jobs is not None else max(1, min(os.cpu_count() or 1, n_runs))
+    with Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        tasks = {p.name: progress.add_task(p.name, total=p.expected_runs()) for p in plans}
+        tasks["__all__"] = progress.add_task("all runs", total=n_runs)
+        results = execute(plans, n_jobs, progress, tasks)
+    report: dict[str, Any] = {
+        "meta": {
+            "benchmark": "specctl bench policies",
+            "quick": quick,
+            "time_scale": QUICK_TIME_SCALE if quick else 1.0,
+            "delay_steps": delay_steps,
+            "fallback": "speculation off until a worker's first plan arrives",
+            "presets": presets,
+            "grid": {"depths": list(grid_depths) if grid_depths is not None else "0..max_depth",
+                     "widths": list(grid_widths),
+                     "search": (f"every point on the scenario at x{SCOUT_TIME_SCALE} time, then the best "
+                                f"{plans[0].finalists if plans else 3} by goodput and the best by request_tok_s "
+                                "at full length" if scout else "every point at full length")},
+            "controller_config": config or "defaults (ServerConfig())",
+            "jobs": n_jobs,
+            "runtime_s": None,
+            "definitions": DEFINITIONS,
+        },
+        "scenarios": {},
+    }
+    all_series: dict[str, dict] = {}
+    for plan in plans:
+        entry, series = summarise(plan, results)
+        report["scenarios"][plan.name] = entry
+        all_series[plan.name] = series
+    report["meta"]["runtime_s"] = round(time.perf_counter() - started, 2)
+    (out / "policies.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "series.json").write_text(json.dumps(all_series) + "\n")
+    if plots:
+        from bench.plots import plot_goodput, plot_series
+
+        plot_goodput(report, out / "policies.png")
+        plot_goodput(report, out / "policies-speed.png", metric="request_tok_s")
+        for name, entry in report["scenarios"].items():
+            if entry["has_changes"]:
+                plot_series(name, all_series[name], entry, out / f"series-{name}.png")
+    console.print(results_table(report))
+    console.print(goals_table(report))
+    console.print(f"wrote {out / 'policies.json'} in {report['meta']['runtime_s']:.1f} s")
+    return report
+
+
+DEFINITIONS = {
+    "goodput_tok_s": "Σ tokens emitted / Σ GPU step seconds over the fleet (the issue's goodput)",
+    "request_tok_s": "Σ tokens / Σ (batch size × step seconds): a request's decode speed in the batch, "
+                     "token-weighted (≈ 1000 / TPOT)",
+    "tpot_ms_mean/p99": "per finished request: ms in the batch per output token",
+    "mean_accepted": "mean τ (accepted draft tokens, bonus excluded) per speculating request-step",
+    "spec_fraction": "share of request-steps that speculated",
+    "vs_oracle / vs_best_static": "goodput ratios; request_vs_*: the same on request_tok_s",
+}
+
+
+# ------------------------------------------------------------------- tables
+def results_table(report: dict):
+    from rich.table import Table
+
+    table = Table(title="Goodput tok/s · ratio to oracle / to best static · request-speed ratio to oracle",
+                  show_lines=True)
+    names = list(report["scenarios"])
+    policies: list[str] = []
+    for entry in report["scenarios"].values():
+        for p in entry["policies"]:
+            if p not in policies:
+                policies.append(p)
+    policies.sort(key=lambda p: (p in REFERENCES, p != PRODUCT, p))
+    table.add_column("policy")
+    for name in names:
+        table.add_column(name, justify="right")
+    for p in policies:
+        row = [p]
+        for name in names:
+            e = report["scenarios"][name]["policies"].get(p)
+            if e is None:
+                row.append("-")
+                continue
+            cell = (f"{e['goodput_tok_s']:,.0f}\n{_fmt(e['vs_oracle'])} / {_fmt(e['vs_best_static'])}"
+                    f"\nspeed {_fmt(e['request_vs_oracle'])}")
+            if p == "best_static":
+                c = e["config"]
+                cell += f"\nd={c['depth']} w={c['width']}"
+            row.append(cell)
+        table.add_row(*row, style="bold" if p == PRODUCT else None)
+    return table
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def goals_table(report: dict):
+    from rich.table import Table
+
+    table = Table(title=f"Goals for '{PRODUCT}' (issue 3): on goodput_tok_s, and on request_tok_s")
+    for col in ("scenario", "goal", "goodput", "met", "request speed", "met "):
+        table.add_column(col)
+    for name, entry in report["scenarios"].items():
+        speed = entry.get("goals_request_tok_s", {})
+        for goal, g in entry.get("goals", {}).items():
+            s = speed.get(goal, {})
+            extra = f" ({g['baseline']})" if "baseline" in g else ""
+            extra_s = f" ({s['baseline']})" if "baseline" in s else ""
+            table.add_row(name, goal, f"{g['value']:.3f}{extra}", "yes" if g["met"] else "[red]NO[/]",
+                          f"{s['value']:.3f}{extra_s}" if s else "-",
+                          ("yes" if s["met"] else "[red]NO[/]") if s else "-")
+    return table

@@ -1,0 +1,148 @@
+"""``specctl bench policies`` on a tiny scenario: fields, determinism, the oracle's ceiling,
+and the controller path's plan delivery delay."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.policies import (
+    ControlledFleet,
+    Series,
+    compress_time,
+    drive,
+    fleet_metrics,
+    run_policy_bench,
+)
+from controller.config import ServerConfig
+from policies.presets import load_preset_text
+from worker.sim.scenario import scenario_from_dict
+from worker.sim.worker import SimWorker
+
+POLICIES = ["goodput", "static", "trtllm-gate"]
+FIELDS = {"goodput_tok_s", "tpot_ms_mean", "tpot_ms_p99", "mean_accepted", "spec_fraction", "vs_oracle",
+          "vs_best_static", "request_tok_s"}
+
+
+def tiny(duration_s: float = 5.0) -> dict:
+    """One H100 + a small EAGLE drafter at low load, code drifting mid-run."""
+    return {
+        "name": "tiny",
+        "duration_s": duration_s,
+        "seed": 5,
+        "domain_acceptance": {"chat": 1.0, "code": 1.08},
+        "traffic": {
+            "arrivals": {"kind": "poisson", "rate": 3.0},
+            "prompt_len": {"kind": "lognormal", "median": 400, "sigma": 0.5, "max": 4000},
+            "output_len": {"kind": "lognormal", "median": 64, "sigma": 0.4, "min": 8, "max": 256},
+            "domain_mix": {"chat": 0.5, "code": 0.5},
+        },
+        "workers": [{"id": "w", "hardware": "H100-SXM", "max_batch_size": 64,
+                     "drafter": {"kind": "eagle", "version": "t", "max_depth": 4, "max_width": 4, "max_nodes": 16,
+                                 "trained_context_len": 8192}}],
+        "changes": [{"at_s": duration_s / 2, "kind": "drift", "domain": "code", "factor": 0.8}],
+    }
+
+
+def saturated(duration_s: float = 3.0) -> dict:
+    """The tiny fleet, overloaded: the batch stays full (32), goodput is the worker's
+    capacity and each step averages 32 requests' outcomes, so the oracle's edge
+    (true acceptance per request, exact cost) stands well clear of sampling noise."""
+    data = tiny(duration_s)
+    data["traffic"]["arrivals"]["rate"] = 200.0
+    data["workers"][0]["max_batch_size"] = 32
+    return data
+
+
+def bench(tmp_path, name: str, plots: bool = False) -> dict:
+    return run_policy_bench(out_dir=tmp_path / name, jobs=1, presets=POLICIES, grid_depths=(0, 2, 4),
+                            grid_widths=(1, 2), scout=False, plots=plots,
+                            scenario_data_override={"tiny": saturated()})
+
+
+def numbers(report: dict) -> dict:
+    """The report without wall-clock times (everything else must repeat exactly)."""
+    out = json.loads(json.dumps(report["scenarios"]))
+    for entry in out["tiny"]["policies"].values():
+        entry.pop("wall_s")
+    return out
+
+
+def test_tiny_suite_fields_determinism_and_oracle_ceiling(tmp_path):
+    first = bench(tmp_path, "a", plots=True)
+    entry = first["scenarios"]["tiny"]
+    policies = entry["policies"]
+    assert set(policies) == set(POLICIES) | {"best_static", "oracle"}
+    for name, p in policies.items():
+        assert FIELDS <= set(p), name
+        assert p["goodput_tok_s"] > 0 and 0.0 <= p["spec_fraction"] <= 1.0
+        assert p["tpot_ms_p99"] >= p["tpot_ms_mean"] > 0
+    assert policies["oracle"]["vs_oracle"] == 1.0 and policies["best_static"]["vs_best_static"] == 1.0
+    # best_static is the grid point with the highest goodput, and says which it was.
+    best = max(g["goodput_tok_s"] for g in entry["grid"])
+    assert policies["best_static"]["goodput_tok_s"] == best
+    assert policies["best_static"]["config"] in [{k: g[k] for k in ("depth", "width", "max_nodes")} for g in entry["grid"]]
+    assert len(entry["grid"]) == 5  # off + depth {2, 4} x width {1, 2}
+    # Every preset ran through the controller: plans reached the worker and were ACKed.
+    for name in POLICIES:
+        assert policies[name]["controller"]["plans_applied"] >= 1, name
+        assert policies[name]["controller"]["rejections"] == 0, name
+    # The oracle is the ceiling.
+    for name, p in policies.items():
+        assert policies["oracle"]["goodput_tok_s"] >= p["goodput_tok_s"], name
+    # Same seed, same numbers.
+    assert numbers(bench(tmp_path, "b")) == numbers(first)
+    written = json.loads((tmp_path / "a" / "policies.json").read_text())
+    assert numbers(written) == numbers(first)
+    assert (tmp_path / "a" / "policies.png").stat().st_size > 0
+    assert (tmp_path / "a" / "policies-speed.png").stat().st_size > 0
+    assert (tmp_path / "a" / "series-tiny.png").stat().st_size > 0
+    series = json.loads((tmp_path / "a" / "series.json").read_text())["tiny"]
+    assert {"goodput_tok_s", "mean_depth", "t_s"} <= set(series["goodput"])
+    assert any(a is not None for a in series["oracle"]["true_alpha1"])
+
+
+@pytest.mark.parametrize("delay", [0, 3])
+def test_plans_reach_the_worker_after_the_configured_delay(delay):
+    scenario = scenario_from_dict(tiny(duration_s=1.0))
+    workers = SimWorker.fleet(scenario)
+    policy = load_preset_text("policy: static\ndepth: 2\nwidth: 1\n")
+    fleet = ControlledFleet(workers, policy, ServerConfig(), delay_steps=delay)
+    depths: list[int] = []
+
+    def after(i, result):
+        depths.append(max(r.depth for r in result.telemetry.requests))
+        fleet.after(i, result)
+
+    drive(workers, [link.decide for link in fleet.links], scenario.duration_s, after=after)
+    # The first plan is made after the first step; it is in force `delay` steps later.
+    assert depths[: 1 + delay] == [0] * (1 + delay)
+    assert set(depths[1 + delay :]) == {2}
+    state = fleet.controller.workers["w"]
+    assert state.acked_version == fleet.links[0].version >= 1 and not state.pending
+
+
+def test_compress_time_scales_the_clock_not_the_load():
+    data = tiny(10.0)
+    data["traffic"]["arrivals"] = {"kind": "bursty", "rate_on": 20, "rate_off": 2, "mean_on_s": 4, "mean_off_s": 6}
+    short = compress_time(data, 0.5)
+    assert short["duration_s"] == 5.0 and short["changes"][0]["at_s"] == 2.5
+    assert short["traffic"]["arrivals"] == {"kind": "bursty", "rate_on": 20, "rate_off": 2, "mean_on_s": 2.0,
+                                            "mean_off_s": 3.0}
+    assert data["duration_s"] == 10.0  # the original is untouched
+    scenario_from_dict(short)
+
+
+def test_series_bins_add_up_to_the_totals():
+    scenario = scenario_from_dict(tiny(duration_s=2.0))
+    workers = SimWorker.fleet(scenario)
+    series = Series(scenario.duration_s, bins=4)
+    from policies.table import Decision
+
+    drive(workers, [lambda rid, ctx, b: Decision.chain(3)], scenario.duration_s, after=lambda i, r: series.add(r))
+    metrics = fleet_metrics(workers)
+    assert series.data[0].sum() == metrics["tokens"]
+    assert series.data[1].sum() == pytest.approx(metrics["busy_s"], abs=1e-3)
+    exported = series.export()
+    assert len(exported["t_s"]) == 4 and exported["mean_depth"][0] == pytest.approx(3.0)

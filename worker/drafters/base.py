@@ -1,0 +1,157 @@
+"""The one small Protocol every drafter implements, and the draft tree it returns.
+
+A drafter is asked once per engine step for **every** active request (with
+``Decision.off()`` for requests that do not speculate this step, so that it
+can still ingest their new hidden states) and returns one ``DraftTree`` per
+request. Trees follow ``worker/engine/tree.py``: nodes in topological order,
+``parents[i] == -1`` for a child of the root (the last committed token,
+whose KV the target has not computed yet).
+
+Hidden states: ``DraftContext.hidden`` carries the target's last hidden
+state (after the final norm: the LM head's input) for the tokens committed
+since the previous call, *excluding* the root, i.e. rows
+``tokens[-1 - m : -1]`` for ``m = hidden.shape[0]``. On a request's first
+call it covers the prompt minus its last token. Drafters that do not need
+them (``needs_hidden = False``) get ``None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from policies.table import Decision
+
+__all__ = ["DraftContext", "DraftTree", "Drafter", "DrafterLimits", "EMPTY_TREE", "best_first_tree"]
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterLimits:
+    """The largest tree a drafter can build (reported in Hello)."""
+
+    max_depth: int
+    max_width: int
+    max_nodes: int
+
+    def clamp(self, d: Decision) -> Decision:
+        return d.clamp(self.max_depth, self.max_width, self.max_nodes)
+
+
+@dataclass(slots=True)
+class DraftContext:
+    """What a drafter sees of one request at one step."""
+
+    request_id: str
+    tokens: list[int]  # committed tokens: prompt (no pads) + generated; the root last
+    hidden: torch.Tensor | None = None  # [m, hidden] target features of tokens[-1-m:-1]
+    prompt_len: int = 0
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """A draft tree: ``parents`` (-1 = root), ``tokens`` and ``confidences``
+    (the drafter's probability of each node given its parent, in [0, 1];
+    siblings are ranked by it for the per-position telemetry)."""
+
+    parents: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not (len(self.parents) == len(self.tokens) == len(self.confidences)):
+            raise ValueError(
+                f"draft tree lists differ in length: parents {len(self.parents)}, tokens {len(self.tokens)}, "
+                f"confidences {len(self.confidences)}"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    def depth(self) -> int:
+        depth = [0] * len(self.parents)
+        for i, p in enumerate(self.parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return max(depth, default=0)
+
+    def max_children(self) -> int:
+        counts: dict[int, int] = {}
+        for p in self.parents:
+            counts[p] = counts.get(p, 0) + 1
+        return max(counts.values(), default=0)
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], confidences: Sequence[float] | None = None) -> "DraftTree":
+        tokens = [int(t) for t in tokens]
+        conf = [float(c) for c in confidences] if confidences is not None else [1.0] * len(tokens)
+        return cls([i - 1 for i in range(len(tokens))], tokens, conf)
+
+
+EMPTY_TREE = DraftTree()
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the engine needs from a drafter."""
+
+    kind: str  # "ngram" | "medusa" | "eagle" | "oracle"
+    version: str  # opaque id (hash of weights + training data for trained heads)
+    limits: DrafterLimits
+    needs_hidden: bool
+
+    def propose(self, contexts: Sequence[DraftContext], decisions: Sequence[Decision]) -> list[DraftTree]:
+        """One tree per context, within its decision (depth/width/max_nodes);
+        an off decision gets an empty tree."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request left the batch: drop its state."""
+        ...
+
+
+def best_first_tree(level_probs: Sequence[Sequence[tuple[int, float]]], decision: Decision) -> DraftTree:
+    """Sparse candidate tree from independent per-level candidates (Medusa style).
+
+    ``level_probs[l]`` lists ``(token, prob)`` for depth ``l + 1``, best
+    first. A node is a choice of rank at every level down to it; its score is
+    the product of its path's probabilities (the heads' independence
+    assumption). Nodes are taken best-first from a heap, so the tree is
+    prefix-closed, holds at most ``max_nodes`` nodes, ``depth`` levels and
+    ``width`` children per node.
+
+    >>> t = best_first_tree([[(5, 0.9), (6, 0.1)], [(7, 0.8), (8, 0.2)]], Decision(2, 2, 3))
+    >>> t.parents, t.tokens
+    ([-1, 0, 0], [5, 7, 8])
+    """
+    import heapq
+
+    depth = min(decision.depth, len(level_probs))
+    width = decision.width
+    if depth <= 0:
+        return DraftTree()
+    parents: list[int] = []
+    tokens: list[int] = []
+    conf: list[float] = []
+    # heap of (-score, tie, parent_node, parent_score, level, rank)
+    heap: list[tuple[float, int, int, float, int, int]] = []
+    tie = 0
+    if level_probs[0]:
+        heapq.heappush(heap, (-level_probs[0][0][1], tie, -1, 1.0, 0, 0))
+    while heap and len(parents) < decision.max_nodes:
+        neg, _, parent, parent_score, level, rank = heapq.heappop(heap)
+        token, prob = level_probs[level][rank]
+        node = len(parents)
+        parents.append(parent)
+        tokens.append(int(token))
+        conf.append(float(prob))
+        score = -neg
+        if rank + 1 < min(width, len(level_probs[level])):  # the next sibling
+            tie += 1
+            nxt = parent_score * level_probs[level][rank + 1][1]
+            heapq.heappush(heap, (-nxt, tie, parent, parent_score, level, rank + 1))
+        if level + 1 < depth and level_probs[level + 1]:  # the first child
+            tie += 1
+            heapq.heappush(heap, (-score * level_probs[level + 1][0][1], tie, node, score, level + 1, 0))
+    return DraftTree(parents, tokens, conf)

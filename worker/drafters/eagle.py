@@ -1,0 +1,280 @@
+"""``eagle``: an autoregressive feature-level draft head with EAGLE-2 trees.
+
+Per request the drafter keeps the head's own KV cache over *pairs*
+``(f_t, x_{t+1})`` (target feature of token t, embedding of token t+1), at
+position t. Each step:
+
+1. **ingest** the features the target computed last step (root + accepted
+   drafts): one head forward over the new pairs, appended to the request's
+   cache. The output at the last pair, ``(f_{R-1}, x_R)`` with ``x_R`` the
+   root, predicts the root's feature ``f̂_R``; the draft LM head on it gives
+   the level-1 candidates.
+2. **expand** (EAGLE-2, Li et al. 2024b): at each level the ``width`` nodes
+   with the highest cumulative probability (product along the path) are
+   expanded: the pair ``(f̂_parent-output, node token)`` goes through the
+   head, attending to the cached context plus the node's drafted ancestors
+   (tree attention inside the draft), and its output's top-``width`` tokens
+   become children. ``depth - 1`` head forwards for a tree of depth ``depth``,
+   batched over requests.
+3. **rerank**: the ``max_nodes`` nodes with the highest cumulative
+   probability form the tree (prefix-closed: a child never beats its parent).
+
+The draft LM head is the target's LM head restricted to the bundle's draft
+vocabulary, so a draft level costs a fraction of a target LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from policies.table import Decision
+from worker.drafters.base import DraftContext, DrafterLimits, DraftTree
+from worker.heads.modules import EagleHead
+from worker.heads.store import HeadsBundle
+
+__all__ = ["EagleDrafter"]
+
+
+@dataclass
+class _State:
+    pairs: int = 0  # pairs in the cache (= position of the next pair)
+    k: torch.Tensor | None = None  # [Hkv, S, D]
+    v: torch.Tensor | None = None
+    last_out: torch.Tensor | None = None  # [d] head output at the last pair: f̂ of the root
+
+
+@dataclass
+class _Node:
+    token: int
+    prob: float
+    score: float  # log cumulative probability
+    parent: int  # index into the node list, -1 = root
+    level: int
+    feat_in: torch.Tensor  # the parent pair's output: input feature of this node's pair
+    kv_slot: int = -1  # index in the row's draft-local KV when expanded
+    children: list[int] = field(default_factory=list)
+
+
+def _pad_stack(tensors: list[torch.Tensor | None], shape_tail: tuple[int, ...], length: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad ``[H, S_i, D]`` tensors to ``[B, H, length, D]`` + bool valid ``[B, length]``."""
+    h, d = shape_tail
+    out = torch.zeros(len(tensors), h, length, d, dtype=dtype)
+    valid = torch.zeros(len(tensors), length, dtype=torch.bool)
+    for i, t in enumerate(tensors):
+        if t is not None and t.shape[1]:
+            s = t.shape[1]
+            out[i, :, length - s :] = t
+            valid[i, length - s :] = True
+    return out, valid
+
+
+class EagleDrafter:
+    kind = "eagle"
+    needs_hidden = True
+
+    def __init__(self, bundle: HeadsBundle, model, max_depth: int = 6, max_width: int = 4,
+                 max_nodes: int = 32) -> None:
+        if bundle.kind != "eagle":
+            raise ValueError(f"EagleDrafter needs eagle heads, got {bundle.kind}")
+        self.head: EagleHead = bundle.module.eval()
+        self.vocab_map = bundle.vocab_map
+        self.lm = model.get_output_embeddings().weight.detach()[bundle.vocab_map].to(torch.float32)
+        self.embed = model.get_input_embeddings()
+        self.version = bundle.version
+        self.limits = DrafterLimits(max_depth, max_width, max(max_depth, max_nodes))
+        self.trained_context_len = int(bundle.meta.get("trained_context_len", 0))
+        layer = self.head.layer
+        self._kv_shape = (layer.kv_heads, layer.head_dim)
+        self._state: dict[str, _State] = {}
+
+    # ------------------------------------------------------------ helpers
+    def _emb(self, tokens: list[int]) -> torch.Tensor:
+        return self.embed(torch.tensor(tokens, dtype=torch.long)).float()
+
+    def _run(self, states: list[_State], feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+             local_k: torch.Tensor | None, local_v: torch.Tensor | None, local_mask: torch.Tensor):
+        """Head forward for ``B`` rows of ``T`` queries each.
+
+        Keys = [row's cached pairs (left-padded) | draft-local keys | new keys];
+        ``local_mask`` bool ``[B, T, E + T]`` says which draft-local and new
+        keys each query sees (the cached pairs are always visible).
+        """
+        b, t, _ = feats.shape
+        s = max((st.k.shape[1] if st.k is not None else 0 for st in states), default=0)
+        past_k, past_valid = _pad_stack([st.k for st in states], self._kv_shape, s, feats.dtype)
+        past_v, _ = _pad_stack([st.v for st in states], self._kv_shape, s, feats.dtype)
+        if local_k is not None:
+            past_k = torch.cat([past_k, local_k], dim=2)
+            past_v = torch.cat([past_v, local_v], dim=2)
+        mask = torch.cat([past_valid[:, None, :].expand(b, t, s), local_mask], dim=-1)[:, None]
+        x = self.head.fc(torch.cat([feats, embeds], dim=-1))
+        out, k, v = self.head.layer(x, positions, past_k, past_v, mask)
+        return self.head.norm(out), k, v
+
+    # ------------------------------------------------------------ ingest
+    def _ingest(self, contexts: Sequence[DraftContext]) -> None:
+        rows = []
+        for ctx in contexts:
+            st = self._state.setdefault(ctx.request_id, _State())
+            if ctx.hidden is None or not ctx.hidden.shape[0]:
+                continue
+            m = ctx.hidden.shape[0]
+            first = len(ctx.tokens) - 1 - m  # feature index of hidden[0]
+            if first != st.pairs:  # out of sync (should not happen): start over from these features
+                st.pairs, st.k, st.v = first, None, None
+            rows.append((ctx, st, m, first))
+        if not rows:
+            return
+        t = max(m for _, _, m, _ in rows)
+        d = rows[0][0].hidden.shape[1]
+        feats = torch.zeros(len(rows), t, d)
+        tokens = torch.zeros(len(rows), t, dtype=torch.long)
+        positions = torch.zeros(len(rows), t, dtype=torch.long)
+        causal = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        local = causal.repeat(len(rows), 1, 1)
+        for r, (ctx, st, m, first) in enumerate(rows):
+            feats[r, :m] = ctx.hidden.float()
+            tokens[r, :m] = torch.tensor(ctx.tokens[first + 1 : first + 1 + m])
+            positions[r] = first + torch.arange(t)
+        out, k, v = self._run([st for _, st, _, _ in rows], feats, self.embed(tokens).float(), positions,
+                              None, None, local)
+        for r, (ctx, st, m, first) in enumerate(rows):
+            nk, nv = k[r, :, :m], v[r, :, :m]
+            if st.k is not None and first == st.pairs and st.pairs:
+                st.k = torch.cat([st.k[:, : st.pairs], nk], dim=1)
+                st.v = torch.cat([st.v[:, : st.pairs], nv], dim=1)
+            else:
+                # no earlier pairs (first call, or restart): left-pad slots stand for pairs we never saw
+                st.k, st.v = nk.clone(), nv.clone()
+                st.pairs = first
+            st.pairs += m
+            st.last_out = out[r, m - 1].clone()
+
+    # ------------------------------------------------------------ propose
+    @torch.inference_mode()
+    def propose(self, contexts: Sequence[DraftContext], decisions: Sequence[Decision]) -> list[DraftTree]:
+        self._ingest(contexts)
+        out = [DraftTree() for _ in contexts]
+        active = [i for i, (c, d) in enumerate(zip(contexts, decisions))
+                  if d.depth > 0 and self._state[c.request_id].last_out is not None]
+        if not active:
+            return out
+        states = [self._state[contexts[i].request_id] for i in active]
+        decs = [decisions[i] for i in active]
+        nodes: list[list[_Node]] = [[] for _ in active]
+
+        # level 1 from the root's predicted feature
+        root_feats = torch.stack([st.last_out for st in states])
+        self._add_children(nodes, [-1] * len(active), root_feats, decs, [0.0] * len(active), level=1,
+                           parent_nodes=[None] * len(active))
+        # draft-local KV of expanded nodes, per row
+        local_k: list[list[torch.Tensor]] = [[] for _ in active]
+        local_v: list[list[torch.Tensor]] = [[] for _ in active]
+        max_depth = max(d.depth for d in decs)
+        for level in range(1, max_depth):
+            # frontier: top-width nodes of this level by cumulative score, rows still growing
+            frontier = []
+            for r, (row_nodes, d) in enumerate(zip(nodes, decs)):
+                if level >= d.depth:
+                    frontier.append([])
+                    continue
+                cands = [j for j, n in enumerate(row_nodes) if n.level == level]
+                cands.sort(key=lambda j: -row_nodes[j].score)
+                frontier.append(cands[: d.width])
+            rows = [r for r in range(len(active)) if frontier[r]]
+            if not rows:
+                break
+            t = max(len(frontier[r]) for r in rows)
+            e = max(len(local_k[r]) for r in rows)
+            dim = root_feats.shape[1]
+            feats = torch.zeros(len(rows), t, dim)
+            toks = torch.zeros(len(rows), t, dtype=torch.long)
+            positions = torch.zeros(len(rows), t, dtype=torch.long)
+            lmask = torch.zeros(len(rows), t, e + t, dtype=torch.bool)
+            hk, hd = self._kv_shape
+            lk = torch.zeros(len(rows), hk, e, hd)
+            lv = torch.zeros(len(rows), hk, e, hd)
+            for q, r in enumerate(rows):
+                row_nodes = nodes[r]
+                for slot, (kk, vv) in enumerate(zip(local_k[r], local_v[r])):
+                    lk[q, :, slot] = kk
+                    lv[q, :, slot] = vv
+                for a, j in enumerate(frontier[r]):
+                    n = row_nodes[j]
+                    feats[q, a] = n.feat_in
+                    toks[q, a] = n.token
+                    positions[q, a] = states[r].pairs + level - 1
+                    lmask[q, a, e + a] = True  # itself
+                    p = n.parent
+                    while p >= 0:  # drafted ancestors (all expanded, so they have KV)
+                        lmask[q, a, row_nodes[p].kv_slot] = True
+                        p = row_nodes[p].parent
+                for a in range(len(frontier[r]), t):
+                    lmask[q, a, e + a] = True  # padding queries see themselves only
+            outs, k, v = self._run([states[r] for r in rows], feats, self.embed(toks).float(), positions,
+                                   lk, lv, lmask)
+            parents_idx, parent_feats, parent_scores, parent_nodes_list, row_ids = [], [], [], [], []
+            for q, r in enumerate(rows):
+                for a, j in enumerate(frontier[r]):
+                    n = nodes[r][j]
+                    n.kv_slot = len(local_k[r])
+                    local_k[r].append(k[q, :, a])
+                    local_v[r].append(v[q, :, a])
+                    row_ids.append(r)
+                    parents_idx.append(j)
+                    parent_feats.append(outs[q, a])
+                    parent_scores.append(n.score)
+            self._add_children_flat(nodes, row_ids, parents_idx, torch.stack(parent_feats), decs, parent_scores,
+                                    level + 1)
+        for r, i in enumerate(active):
+            out[i] = self._select(nodes[r], decs[r])
+        return out
+
+    def _topk(self, feats: torch.Tensor, width: int) -> tuple[list[list[int]], list[list[float]]]:
+        probs = torch.softmax(feats @ self.lm.T, -1)
+        p, idx = probs.topk(width, -1)
+        return self.vocab_map[idx].tolist(), p.tolist()
+
+    def _add_children(self, nodes, parents, feats, decs, scores, level, parent_nodes) -> None:
+        width = max(d.width for d in decs)
+        toks, probs = self._topk(feats, width)
+        for r in range(len(nodes)):
+            for tok, p in zip(toks[r][: decs[r].width], probs[r][: decs[r].width]):
+                nodes[r].append(_Node(tok, p, scores[r] + _log(p), parents[r], level, feats[r]))
+
+    def _add_children_flat(self, nodes, row_ids, parents, feats, decs, scores, level) -> None:
+        width = max(decs[r].width for r in row_ids)
+        toks, probs = self._topk(feats, width)
+        for q, r in enumerate(row_ids):
+            parent = parents[q]
+            for tok, p in zip(toks[q][: decs[r].width], probs[q][: decs[r].width]):
+                nodes[r][parent].children.append(len(nodes[r]))
+                nodes[r].append(_Node(tok, p, scores[q] + _log(p), parent, level, feats[q]))
+
+    @staticmethod
+    def _select(row_nodes: list[_Node], d: Decision) -> DraftTree:
+        order = sorted(range(len(row_nodes)), key=lambda j: (-row_nodes[j].score, row_nodes[j].level, j))
+        keep: set[int] = set()
+        for j in order:
+            if len(keep) >= d.max_nodes:
+                break
+            p = row_nodes[j].parent
+            if p < 0 or p in keep:
+                keep.add(j)
+        chosen = sorted(keep, key=lambda j: (row_nodes[j].level, j))
+        new_index = {j: i for i, j in enumerate(chosen)}
+        parents = [new_index[row_nodes[j].parent] if row_nodes[j].parent >= 0 else -1 for j in chosen]
+        return DraftTree(parents, [row_nodes[j].token for j in chosen], [row_nodes[j].prob for j in chosen])
+
+    def release(self, request_id: str) -> None:
+        self._state.pop(request_id, None)
+
+
+def _log(p: float) -> float:
+    import math
+
+    return math.log(p) if p > 0 else -1e30

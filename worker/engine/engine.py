@@ -1,0 +1,410 @@
+"""The reference engine: continuous batching with per-request speculation.
+
+One ``Engine.step()``:
+
+1. **admit** waiting requests (up to ``max_batch`` rows): prefill them
+   together (left-padded) into a fresh ``BatchKV`` and merge it into the
+   batch's;
+2. **decide** per row: ``decide(request_id, context_len, batch_size)`` →
+   ``Decision`` (``SpeculationAgent.decide`` or any callable), clamped to the
+   drafter's limits; depth 0 = plain decoding for that row;
+3. **draft** (timed): ``drafter.propose`` for every row (off rows get an
+   empty tree; the drafter still ingests their hidden states);
+4. **verify** (timed): one forward of the target's decoder over every row's
+   ``[root | draft nodes]`` block (own tree mask per row, padded to the
+   largest), LM head on the real entries only, greedy acceptance per row,
+   KV compaction to the accepted paths;
+5. **commit**: emitted tokens (accepted drafts + bonus, cut at EOS /
+   ``max_new_tokens``), hidden states of the accepted entries queued for the
+   drafter, telemetry to the observer (draft ms, verify ms, per-position
+   outcome, context length), finished rows leave the batch.
+
+Greedy verification accepts a draft token only when it is the target's
+argmax after the accepted prefix, so the output is token for token what
+``model.generate(do_sample=False)`` produces, whatever the drafter does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from policies.table import Decision
+from worker.drafters.base import EMPTY_TREE, DraftContext, Drafter, DraftTree
+from worker.engine.batch import accept_row, build_block
+from worker.engine.kv import BatchKV, SlotCache
+from worker.engine.verify import _cache_kwarg
+from worker.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
+
+__all__ = ["Engine", "EngineStats", "Request", "static_decide"]
+
+DecideFn = Callable[[str, int, int], Decision]
+
+# Process-wide counters: step ids must grow strictly per worker and request
+# ids must not repeat, also when one agent watches several Engine instances
+# one after the other (benchmarks) — the controller rejects anything else.
+_STEP_IDS = itertools.count(1)
+_REQUEST_IDS = itertools.count()
+
+
+def static_decide(decision: Decision) -> DecideFn:
+    """A decide callable that always answers ``decision``."""
+
+    def decide(request_id: str, context_len: int, batch_size: int) -> Decision:
+        return decision
+
+    return decide
+
+
+@dataclass(eq=False)
+class Request:
+    """A generation request and, once done, its result."""
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    domain: str = ""
+    output: list[int] = field(default_factory=list)
+    steps: int = 0
+    accepted_tokens: int = 0
+    t_submit: float = 0.0
+    t_admit: float = 0.0
+    t_first_token: float = 0.0
+    t_done: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+    on_done: Callable[["Request"], None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done.is_set()
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens: int = 0  # generated tokens, all requests
+    row_steps: int = 0
+    accepted: int = 0  # Σ τ
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+    repacks: int = 0
+    finished: int = 0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean τ (accepted draft tokens per row-step)."""
+        return self.accepted / self.row_steps if self.row_steps else 0.0
+
+
+@dataclass(eq=False)
+class _Row:
+    req: Request
+    tokens: list[int]  # committed; the root last
+    pending: list[torch.Tensor] = field(default_factory=list)  # hidden states not yet given to the drafter
+
+
+class Engine:
+    """Continuous-batching greedy engine with per-request speculation.
+
+    Parameters
+    ----------
+    model : transformers causal LM (Llama family: ``model.model`` + ``lm_head``)
+    drafter : Drafter, optional
+        ``None`` = plain decoding for everybody.
+    decide : callable, optional
+        ``(request_id, context_len, batch_size) -> Decision``, e.g.
+        ``SpeculationAgent.decide``; default: a depth-4 chain with a drafter,
+        off without one. Clamped to the drafter's limits.
+    observer : object, optional
+        Gets ``observe(StepTelemetry)`` after every step and
+        ``finish(RequestSummary)`` per finished request (``SpeculationAgent``).
+    max_batch : int
+        Rows per step; more requests wait.
+    eos_token_id : int or list of int, optional
+        Default: the model's ``generation_config.eos_token_id``.
+    """
+
+    def __init__(
+        self,
+        model,
+        drafter: Drafter | None = None,
+        decide: DecideFn | None = None,
+        observer=None,
+        max_batch: int = 8,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int = 0,
+        repack_hole_fraction: float = 0.25,
+    ) -> None:
+        self.model = model
+        self.base = getattr(model, model.base_model_prefix)
+        self.lm_head = model.get_output_embeddings()
+        self._cache_kw = _cache_kwarg(type(self.base))
+        self.drafter = drafter
+        if decide is None:
+            decide = static_decide(Decision.chain(4) if drafter is not None else Decision.off())
+        self.decide = decide
+        self.observer = observer
+        self.max_batch = max_batch
+        if eos_token_id is None:
+            gen = getattr(model, "generation_config", None)
+            eos_token_id = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if eos_token_id is None:
+            eos = frozenset()
+        elif isinstance(eos_token_id, int):
+            eos = frozenset([eos_token_id])
+        else:
+            eos = frozenset(int(e) for e in eos_token_id)
+        self.eos = eos
+        self.pad_token_id = pad_token_id
+        self.repack_hole_fraction = repack_hole_fraction
+        self.device = next(model.parameters()).device
+        self.kv = BatchKV.empty(model, self.device)
+        self.rows: list[_Row] = []
+        self._waiting: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------ requests
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        request_id: str | None = None,
+        domain: str = "",
+        eos_token_id: int | Sequence[int] | None = None,
+        on_done: Callable[[Request], None] | None = None,
+    ) -> Request:
+        """Queue a request (thread-safe); it joins the batch at the next step."""
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        eos = self.eos if eos_token_id is None else frozenset(
+            [eos_token_id] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id])
+        req = Request(request_id or f"req-{next(_REQUEST_IDS)}", [int(t) for t in prompt], int(max_new_tokens), eos,
+                      domain, t_submit=time.perf_counter(), on_done=on_done)
+        with self._lock:
+            self._waiting.append(req)
+        return req
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.rows or self._waiting)
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Step until no request is active or waiting (or ``until()``)."""
+        while self.has_work() and not (until and until()):
+            self.step()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Submit ``prompts``, run to completion, return their new tokens in order."""
+        reqs = [self.submit(p, max_new_tokens) for p in prompts]
+        self.run()
+        return [r.output for r in reqs]
+
+    # ------------------------------------------------------------ admission
+    @torch.inference_mode()
+    def _admit(self) -> None:
+        joiners: list[Request] = []
+        with self._lock:
+            while self._waiting and len(self.rows) + len(joiners) < self.max_batch:
+                joiners.append(self._waiting.popleft())
+        if not joiners:
+            return
+        t0 = time.perf_counter()
+        now = time.perf_counter()
+        done_now = []
+        live = []
+        for req in joiners:
+            req.t_admit = now
+            if req.max_new_tokens <= 0:
+                done_now.append(req)
+            else:
+                live.append(req)
+        if live:
+            fresh, hidden = self._prefill([r.prompt for r in live])
+            self.kv.merge(fresh)
+            for req, h in zip(live, hidden):
+                row = _Row(req, list(req.prompt))
+                if self.drafter is not None and self.drafter.needs_hidden and h is not None:
+                    row.pending.append(h)
+                self.rows.append(row)
+        self.stats.prefill_s += time.perf_counter() - t0
+        for req in done_now:
+            self._finish_request(req)
+
+    def _kv_shape(self) -> tuple[int, int]:
+        cfg = self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return heads, dim
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[BatchKV, list[torch.Tensor | None]]:
+        """Prompts minus their last token into a fresh cache (left-padded)."""
+        b = len(prompts)
+        width = max(len(p) for p in prompts) - 1
+        cache = SlotCache.for_model(self.model)
+        valid = torch.zeros(b, width, dtype=torch.bool, device=self.device)
+        hidden: list[torch.Tensor | None] = [None] * b
+        if width == 0:
+            heads, dim = self._kv_shape()
+            dtype = self.model.dtype
+            for layer in cache.layers:
+                z = torch.zeros(b, heads, 0, dim, dtype=dtype, device=self.device)
+                layer.set(z, z)
+            return BatchKV(cache, valid), hidden
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            n = len(p) - 1
+            if n:
+                ids[i, width - n :] = torch.tensor(p[:-1])
+                valid[i, width - n :] = True
+        ids = ids.to(self.device)
+        mask = valid.long()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        **{self._cache_kw: cache})
+        h = out.last_hidden_state  # [b, width, hidden]
+        for i, p in enumerate(prompts):
+            n = len(p) - 1
+            hidden[i] = h[i, width - n :].clone() if n else None
+        return BatchKV(cache, valid), hidden
+
+    # ------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that finished in it."""
+        self._admit()
+        if not self.rows:
+            return []
+        batch = len(self.rows)
+        ctx = self.kv.real_lengths().tolist()
+        decisions = self._decisions(ctx, batch)
+
+        t0 = time.perf_counter()
+        trees = self._draft(decisions)
+        t1 = time.perf_counter()
+
+        roots = [row.tokens[-1] for row in self.rows]
+        block = build_block(roots, trees, self.kv.valid, self.model.dtype, self.pad_token_id)
+        past_len = self.kv.length
+        out = self.base(input_ids=block.ids, attention_mask=block.attention_mask, position_ids=block.position_ids,
+                        use_cache=True, **{self._cache_kw: self.kv.cache})
+        hidden = out.last_hidden_state  # [batch, N+1, hidden]
+        real = torch.cat([hidden[b, : block.sizes[b]] for b in range(batch)])  # LM head on real entries only
+        targets = self.lm_head(real).argmax(-1).tolist()
+        outcomes = []
+        start = 0
+        for b in range(batch):
+            outcomes.append(accept_row(trees[b], targets[start : start + block.sizes[b]]))
+            start += block.sizes[b]
+        k_max = max(len(o.path) for o in outcomes)
+        paths = torch.full((batch, k_max), -1, dtype=torch.long)
+        for b, o in enumerate(outcomes):
+            paths[b, : len(o.path)] = torch.tensor(o.path)
+        self.kv.compact(past_len, paths)
+        t2 = time.perf_counter()
+
+        if self.kv.maybe_repack(self.repack_hole_fraction):
+            self.stats.repacks += 1
+        return self._commit(decisions, trees, outcomes, hidden, ctx, t1 - t0, t2 - t1)
+
+    def _decisions(self, ctx: list[int], batch: int) -> list[Decision]:
+        if self.drafter is None:
+            return [Decision.off()] * batch
+        limits = self.drafter.limits
+        return [limits.clamp(self.decide(row.req.request_id, ctx[b], batch)) for b, row in enumerate(self.rows)]
+
+    def _draft(self, decisions: list[Decision]) -> list[DraftTree]:
+        if self.drafter is None:
+            return [EMPTY_TREE] * len(self.rows)
+        contexts = []
+        for row in self.rows:
+            hidden = None
+            if row.pending:
+                hidden = row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending)
+                row.pending.clear()
+            contexts.append(DraftContext(row.req.request_id, row.tokens, hidden, len(row.req.prompt)))
+        trees = self.drafter.propose(contexts, decisions)
+        if len(trees) != len(self.rows):
+            raise ValueError(f"drafter {self.drafter.kind} returned {len(trees)} trees for {len(self.rows)} rows")
+        for tree, d in zip(trees, decisions):
+            if tree.num_nodes and (tree.num_nodes > d.max_nodes or tree.depth() > d.depth
+                                   or tree.max_children() > d.width):
+                raise ValueError(
+                    f"drafter {self.drafter.kind} returned a tree (nodes {tree.num_nodes}, depth {tree.depth()}, "
+                    f"width {tree.max_children()}) outside its decision {d}"
+                )
+        return trees
+
+    def _commit(self, decisions, trees, outcomes, hidden, ctx, draft_s, verify_s) -> list[Request]:
+        now = time.perf_counter()
+        wants_hidden = self.drafter is not None and self.drafter.needs_hidden
+        telemetry = []
+        finished: list[int] = []
+        for b, (row, tree, o) in enumerate(zip(self.rows, trees, outcomes)):
+            req = row.req
+            depth = tree.depth() if tree.num_nodes else 0
+            telemetry.append(RequestTelemetry(
+                request_id=req.request_id,
+                context_len=ctx[b],
+                depth=depth,
+                width=tree.max_children() if depth else 0,
+                nodes=tree.num_nodes,
+                accepted=o.accepted,
+                accepted_rank=o.accepted_rank if depth else (),
+                level_candidates=o.level_candidates if depth else (),
+                draft_confidence=o.draft_confidence if depth else (),
+                domain=req.domain,
+            ))
+            if wants_hidden:
+                row.pending.append(hidden[b, o.path].clone())
+            row.tokens.extend(o.tokens)
+            req.steps += 1
+            req.accepted_tokens += o.accepted
+            if not req.output:
+                req.t_first_token = now
+            for tok in o.tokens:
+                req.output.append(tok)
+                self.stats.tokens += 1
+                if tok in req.eos_token_ids or len(req.output) >= req.max_new_tokens:
+                    finished.append(b)
+                    break
+            self.stats.row_steps += 1
+            self.stats.accepted += o.accepted
+        self.stats.steps += 1
+        self.stats.draft_s += draft_s
+        self.stats.verify_s += verify_s
+        if self.observer is not None:
+            self.observer.observe(StepTelemetry(next(_STEP_IDS), time.time(), len(self.rows), draft_s * 1e3,
+                                                verify_s * 1e3, telemetry))
+        done = [self.rows[b].req for b in finished]
+        if finished:
+            gone = set(finished)
+            keep = [b for b in range(len(self.rows)) if b not in gone]
+            self.rows = [self.rows[b] for b in keep]
+            self.kv.select(keep)
+            for req in done:
+                self._finish_request(req)
+        return done
+
+    def _finish_request(self, req: Request) -> None:
+        req.t_done = time.perf_counter()
+        self.stats.finished += 1
+        if self.drafter is not None:
+            self.drafter.release(req.request_id)
+        if self.observer is not None:
+            self.observer.finish(RequestSummary(req.request_id, len(req.output), req.steps, req.accepted_tokens,
+                                                time.time()))
+        req.done.set()
+        if req.on_done is not None:
+            req.on_done(req)
