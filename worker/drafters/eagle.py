@@ -4,9 +4,10 @@ Per request the drafter keeps the head's own KV cache over *pairs*
 ``(f_t, x_{t+1})`` (target feature of token t, embedding of token t+1), at
 position t. Each step:
 
-1. **ingest** the features the target computed last step (root + accepted
-   drafts): one head forward over the new pairs, appended to the request's
-   cache. The output at the last pair, ``(f_{R-1}, x_R)`` with ``x_R`` the
+1. **ingest** the features the target computed since the request last
+   drafted (root + accepted drafts of each step; queued while the request's
+   decision is off, so speculation off costs nothing): one head forward over
+   the new pairs, appended to the request's cache. The output at the last pair, ``(f_{R-1}, x_R)`` with ``x_R`` the
    root, predicts the root's feature ``f̂_R``; the draft LM head on it gives
    the level-1 candidates.
 2. **expand** (EAGLE-2, Li et al. 2024b): at each level the ``width`` nodes
@@ -44,6 +45,7 @@ class _State:
     k: torch.Tensor | None = None  # [Hkv, S, D]
     v: torch.Tensor | None = None
     last_out: torch.Tensor | None = None  # [d] head output at the last pair: f̂ of the root
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (feature index, features) not ingested
 
 
 @dataclass
@@ -116,33 +118,40 @@ class EagleDrafter:
         return self.head.norm(out), k, v
 
     # ------------------------------------------------------------ ingest
-    def _ingest(self, contexts: Sequence[DraftContext]) -> None:
+    def _ingest(self, contexts: Sequence[DraftContext], decisions: Sequence[Decision]) -> None:
+        """Queue every row's new features; run the head only for rows that
+        draft this step (an off row's features wait: no draft cost while off)."""
         rows = []
-        for ctx in contexts:
+        for ctx, dec in zip(contexts, decisions):
             st = self._state.setdefault(ctx.request_id, _State())
-            if ctx.hidden is None or not ctx.hidden.shape[0]:
+            if ctx.hidden is not None and ctx.hidden.shape[0]:
+                st.pending.append((len(ctx.tokens) - 1 - ctx.hidden.shape[0], ctx.hidden))
+            if dec.depth == 0 or not st.pending:
                 continue
-            m = ctx.hidden.shape[0]
-            first = len(ctx.tokens) - 1 - m  # feature index of hidden[0]
+            first = st.pending[0][0]  # feature index of the first queued feature
+            hidden = st.pending[0][1] if len(st.pending) == 1 else torch.cat([h for _, h in st.pending])
+            st.pending.clear()
             if first != st.pairs:  # out of sync (should not happen): start over from these features
                 st.pairs, st.k, st.v = first, None, None
-            rows.append((ctx, st, m, first))
+            rows.append((ctx, st, hidden, first))
         if not rows:
             return
-        t = max(m for _, _, m, _ in rows)
-        d = rows[0][0].hidden.shape[1]
+        t = max(h.shape[0] for _, _, h, _ in rows)
+        d = rows[0][2].shape[1]
         feats = torch.zeros(len(rows), t, d)
         tokens = torch.zeros(len(rows), t, dtype=torch.long)
         positions = torch.zeros(len(rows), t, dtype=torch.long)
         causal = torch.tril(torch.ones(t, t, dtype=torch.bool))
         local = causal.repeat(len(rows), 1, 1)
-        for r, (ctx, st, m, first) in enumerate(rows):
-            feats[r, :m] = ctx.hidden.float()
+        for r, (ctx, st, hidden, first) in enumerate(rows):
+            m = hidden.shape[0]
+            feats[r, :m] = hidden.float()
             tokens[r, :m] = torch.tensor(ctx.tokens[first + 1 : first + 1 + m])
             positions[r] = first + torch.arange(t)
         out, k, v = self._run([st for _, st, _, _ in rows], feats, self.embed(tokens).float(), positions,
                               None, None, local)
-        for r, (ctx, st, m, first) in enumerate(rows):
+        for r, (ctx, st, hidden, first) in enumerate(rows):
+            m = hidden.shape[0]
             nk, nv = k[r, :, :m], v[r, :, :m]
             if st.k is not None and first == st.pairs and st.pairs:
                 st.k = torch.cat([st.k[:, : st.pairs], nk], dim=1)
@@ -157,7 +166,7 @@ class EagleDrafter:
     # ------------------------------------------------------------ propose
     @torch.inference_mode()
     def propose(self, contexts: Sequence[DraftContext], decisions: Sequence[Decision]) -> list[DraftTree]:
-        self._ingest(contexts)
+        self._ingest(contexts, decisions)
         out = [DraftTree() for _ in contexts]
         active = [i for i, (c, d) in enumerate(zip(contexts, decisions))
                   if d.depth > 0 and self._state[c.request_id].last_out is not None]
