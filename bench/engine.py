@@ -292,7 +292,7 @@ def _plot(runs, path: Path, batches) -> None:
         ax.set_title(f"batch {batch}")
         for i, r in enumerate(rs):
             ax.text(i, r.speedup_vs_plain + 0.02, f"{r.tokens_per_s:.0f}", ha="center", fontsize=6)
-    axes[0][0].set_ylabel("speedup vs plain greedy (same batch); labels: tokens/s")
+    axes[0][0].set_ylabel("speedup vs plain greedy, same batch (engine CPU time)\nbar labels: tokens/s (wall)")
     fig.suptitle("specctl reference engine, SmolLM2-135M on this CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
