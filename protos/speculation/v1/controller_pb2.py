@@ -26,31 +26,51 @@ from protos.speculation.v1 import worker_pb2 as protos_dot_speculation_dot_v1_do
 from protos.speculation.v1 import plan_pb2 as protos_dot_speculation_dot_v1_dot_plan__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/speculation/v1/controller.proto\x12\x0especulation.v1\x1a\"protos/speculation/v1/worker.proto\x1a protos/speculation/v1/plan.proto\"\xa4\x01\n\rDecideRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x05hello\x18\x02 \x01(\x0b\x32\x15.speculation.v1.Hello\x12,\n\x07reports\x18\x03 \x01(\x0b\x32\x1b.speculation.v1.StepReports\x12,\n\x07queries\x18\x04 \x03(\x0b\x32\x1b.speculation.v1.DecideQuery\"J\n\x0b\x44\x65\x63ideQuery\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\x82\x01\n\x0e\x44\x65\x63ideResponse\x12+\n\tdecisions\x18\x01 \x03(\x0b\x32\x18.speculation.v1.Decision\x12\x14\n\x0cplan_version\x18\x02 \x01(\x04\x12-\n\nrejections\x18\x03 \x03(\x0b\x32\x19.speculation.v1.Rejection\"%\n\x10GetStatusRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x80\x02\n\tCostModel\x12\x0e\n\x06mem_ms\x18\x01 \x01(\x01\x12\x1b\n\x13mem_ms_per_kv_token\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x1c\n\x14\x63ompute_ms_per_token\x18\x04 \x01(\x01\x12\x16\n\x0e\x64raft_fixed_ms\x18\x05 \x01(\x01\x12\x1a\n\x12\x64raft_ms_per_level\x18\x06 \x01(\x01\x12\x19\n\x11\x64raft_ms_per_node\x18\x07 \x01(\x01\x12\x0f\n\x07samples\x18\x08 \x01(\x04\x12\x0f\n\x07rmse_ms\x18\t \x01(\x01\x12#\n\x1b\x64raft_ms_per_level_kv_token\x18\n \x01(\x01\"\xdc\x01\n\x11StratumAcceptance\x12\x31\n\x0c\x64rafter_kind\x18\x01 \x01(\x0e\x32\x1b.speculation.v1.DrafterKind\x12\x17\n\x0f\x64rafter_version\x18\x02 \x01(\t\x12\x17\n\x0f\x63ontext_len_min\x18\x03 \x01(\r\x12\x17\n\x0f\x63ontext_len_max\x18\x04 \x01(\r\x12\r\n\x05\x61lpha\x18\x05 \x03(\x01\x12\x19\n\x11\x65\x66\x66\x65\x63tive_samples\x18\x06 \x03(\x01\x12\x1f\n\x17\x65xpected_accepted_chain\x18\x07 \x01(\x01\"\x95\x03\n\x0cWorkerStatus\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x15.speculation.v1.Hello\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x14\n\x0cplan_version\x18\x03 \x01(\x04\x12\x1a\n\x12\x61\x63ked_plan_version\x18\x04 \x01(\x04\x12\r\n\x05nacks\x18\x05 \x01(\x04\x12\x16\n\x0esteps_ingested\x18\x06 \x01(\x04\x12\x16\n\x0elast_report_at\x18\x07 \x01(\x01\x12-\n\ncost_model\x18\x08 \x01(\x0b\x32\x19.speculation.v1.CostModel\x12\x35\n\nacceptance\x18\t \x03(\x0b\x32!.speculation.v1.StratumAcceptance\x12\x17\n\x0fmean_batch_size\x18\n \x01(\x01\x12\x18\n\x10mean_context_len\x18\x0b \x01(\x01\x12\x1e\n\x16observed_goodput_tok_s\x18\x0c \x01(\x01\x12\"\n\x04plan\x18\r \x01(\x0b\x32\x14.speculation.v1.Plan\"M\n\x0eRejectionCount\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.speculation.v1.RejectReason\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\xbe\x01\n\x11GetStatusResponse\x12-\n\x07workers\x18\x01 \x03(\x0b\x32\x1c.speculation.v1.WorkerStatus\x12\x32\n\nrejections\x18\x02 \x03(\x0b\x32\x1e.speculation.v1.RejectionCount\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x16\n\x0epolicy_reloads\x18\x04 \x01(\x04\x12\x1e\n\x16policy_reload_failures\x18\x05 \x01(\x04\x32\x83\x02\n\x15SpeculationController\x12O\n\x07\x43onnect\x12\x1d.speculation.v1.WorkerMessage\x1a!.speculation.v1.ControllerMessage(\x01\x30\x01\x12G\n\x06\x44\x65\x63ide\x12\x1d.speculation.v1.DecideRequest\x1a\x1e.speculation.v1.DecideResponse\x12P\n\tGetStatus\x12 .speculation.v1.GetStatusRequest\x1a!.speculation.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/speculation/v1/controller.proto\x12\x0especulation.v1\x1a\"protos/speculation/v1/worker.proto\x1a protos/speculation/v1/plan.proto\"\x80\x06\n\nDriftAlert\x12\n\n\x02id\x18\x01 \x01(\t\x12\x31\n\x0c\x64rafter_kind\x18\x02 \x01(\x0e\x32\x1b.speculation.v1.DrafterKind\x12\x17\n\x0f\x64rafter_version\x18\x03 \x01(\t\x12\x0f\n\x07stratum\x18\x04 \x01(\t\x12\x17\n\x0f\x63ontext_len_min\x18\x05 \x01(\r\x12\x17\n\x0f\x63ontext_len_max\x18\x06 \x01(\r\x12\x0e\n\x06\x64omain\x18\x07 \x01(\t\x12\x10\n\x08\x64\x65tector\x18\x08 \x01(\t\x12\x11\n\tstatistic\x18\t \x01(\x01\x12\x13\n\x0bhas_p_value\x18\n \x01(\x08\x12\x0f\n\x07p_value\x18\x0b \x01(\x01\x12\x12\n\np_adjusted\x18\x0c \x01(\x01\x12\r\n\x05score\x18\r \x01(\x01\x12\x15\n\rbaseline_hist\x18\x0e \x03(\x04\x12\x14\n\x0c\x63urrent_hist\x18\x0f \x03(\x04\x12\x16\n\x0e\x62\x61seline_alpha\x18\x10 \x03(\x01\x12\x15\n\rcurrent_alpha\x18\x11 \x03(\x01\x12\x1b\n\x13\x65xpected_tau_change\x18\x12 \x01(\x01\x12\x12\n\nfirst_seen\x18\x13 \x01(\x01\x12\x11\n\topened_at\x18\x14 \x01(\x01\x12/\n\x08severity\x18\x15 \x01(\x0e\x32\x1d.speculation.v1.AlertSeverity\x12+\n\x06\x61\x63tion\x18\x16 \x01(\x0e\x32\x1b.speculation.v1.AlertAction\x12\x0f\n\x07message\x18\x17 \x01(\t\x12+\n\x06status\x18\x18 \x01(\x0e\x32\x1b.speculation.v1.AlertStatus\x12\x13\n\x0bresolved_at\x18\x19 \x01(\x01\x12\x12\n\nresolution\x18\x1a \x01(\t\x12\x12\n\nn_baseline\x18\x1b \x01(\x04\x12\x11\n\tn_current\x18\x1c \x01(\x04\x12)\n\x05\x65vent\x18\x1d \x01(\x0e\x32\x1a.speculation.v1.AlertEvent\x12\x10\n\x08\x61\x63ked_at\x18\x1e \x01(\x01\x12\x10\n\x08\x61\x63ked_by\x18\x1f \x01(\t\"Y\n\x12WatchAlertsRequest\x12\x17\n\x0finclude_history\x18\x01 \x01(\x08\x12\x11\n\topen_only\x18\x02 \x01(\x08\x12\x17\n\x0f\x64rafter_version\x18\x03 \x01(\t\"5\n\x0f\x41\x63kAlertRequest\x12\x10\n\x08\x61lert_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63ked_by\x18\x02 \x01(\t\"=\n\x10\x41\x63kAlertResponse\x12)\n\x05\x61lert\x18\x01 \x01(\x0b\x32\x1a.speculation.v1.DriftAlert\"\x15\n\x13ReloadPolicyRequest\"E\n\x14ReloadPolicyResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xa4\x01\n\rDecideRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x05hello\x18\x02 \x01(\x0b\x32\x15.speculation.v1.Hello\x12,\n\x07reports\x18\x03 \x01(\x0b\x32\x1b.speculation.v1.StepReports\x12,\n\x07queries\x18\x04 \x03(\x0b\x32\x1b.speculation.v1.DecideQuery\"J\n\x0b\x44\x65\x63ideQuery\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\x82\x01\n\x0e\x44\x65\x63ideResponse\x12+\n\tdecisions\x18\x01 \x03(\x0b\x32\x18.speculation.v1.Decision\x12\x14\n\x0cplan_version\x18\x02 \x01(\x04\x12-\n\nrejections\x18\x03 \x03(\x0b\x32\x19.speculation.v1.Rejection\"%\n\x10GetStatusRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x80\x02\n\tCostModel\x12\x0e\n\x06mem_ms\x18\x01 \x01(\x01\x12\x1b\n\x13mem_ms_per_kv_token\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x1c\n\x14\x63ompute_ms_per_token\x18\x04 \x01(\x01\x12\x16\n\x0e\x64raft_fixed_ms\x18\x05 \x01(\x01\x12\x1a\n\x12\x64raft_ms_per_level\x18\x06 \x01(\x01\x12\x19\n\x11\x64raft_ms_per_node\x18\x07 \x01(\x01\x12\x0f\n\x07samples\x18\x08 \x01(\x04\x12\x0f\n\x07rmse_ms\x18\t \x01(\x01\x12#\n\x1b\x64raft_ms_per_level_kv_token\x18\n \x01(\x01\"\xdc\x01\n\x11StratumAcceptance\x12\x31\n\x0c\x64rafter_kind\x18\x01 \x01(\x0e\x32\x1b.speculation.v1.DrafterKind\x12\x17\n\x0f\x64rafter_version\x18\x02 \x01(\t\x12\x17\n\x0f\x63ontext_len_min\x18\x03 \x01(\r\x12\x17\n\x0f\x63ontext_len_max\x18\x04 \x01(\r\x12\r\n\x05\x61lpha\x18\x05 \x03(\x01\x12\x19\n\x11\x65\x66\x66\x65\x63tive_samples\x18\x06 \x03(\x01\x12\x1f\n\x17\x65xpected_accepted_chain\x18\x07 \x01(\x01\"\x95\x03\n\x0cWorkerStatus\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x15.speculation.v1.Hello\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x14\n\x0cplan_version\x18\x03 \x01(\x04\x12\x1a\n\x12\x61\x63ked_plan_version\x18\x04 \x01(\x04\x12\r\n\x05nacks\x18\x05 \x01(\x04\x12\x16\n\x0esteps_ingested\x18\x06 \x01(\x04\x12\x16\n\x0elast_report_at\x18\x07 \x01(\x01\x12-\n\ncost_model\x18\x08 \x01(\x0b\x32\x19.speculation.v1.CostModel\x12\x35\n\nacceptance\x18\t \x03(\x0b\x32!.speculation.v1.StratumAcceptance\x12\x17\n\x0fmean_batch_size\x18\n \x01(\x01\x12\x18\n\x10mean_context_len\x18\x0b \x01(\x01\x12\x1e\n\x16observed_goodput_tok_s\x18\x0c \x01(\x01\x12\"\n\x04plan\x18\r \x01(\x0b\x32\x14.speculation.v1.Plan\"M\n\x0eRejectionCount\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.speculation.v1.RejectReason\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\xbe\x01\n\x11GetStatusResponse\x12-\n\x07workers\x18\x01 \x03(\x0b\x32\x1c.speculation.v1.WorkerStatus\x12\x32\n\nrejections\x18\x02 \x03(\x0b\x32\x1e.speculation.v1.RejectionCount\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x16\n\x0epolicy_reloads\x18\x04 \x01(\x04\x12\x1e\n\x16policy_reload_failures\x18\x05 \x01(\x04*\x93\x01\n\x0b\x41lertAction\x12\x1c\n\x18\x41LERT_ACTION_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x41LERT_ACTION_RETRAIN_HEADS\x10\x01\x12(\n$ALERT_ACTION_EXTEND_TRAINING_CONTEXT\x10\x02\x12\x1c\n\x18\x41LERT_ACTION_INVESTIGATE\x10\x03*\x81\x01\n\rAlertSeverity\x12\x1e\n\x1a\x41LERT_SEVERITY_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41LERT_SEVERITY_INFO\x10\x01\x12\x1a\n\x16\x41LERT_SEVERITY_WARNING\x10\x02\x12\x1b\n\x17\x41LERT_SEVERITY_CRITICAL\x10\x03*]\n\x0b\x41lertStatus\x12\x1c\n\x18\x41LERT_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41LERT_STATUS_OPEN\x10\x01\x12\x19\n\x15\x41LERT_STATUS_RESOLVED\x10\x02*\x93\x01\n\nAlertEvent\x12\x1b\n\x17\x41LERT_EVENT_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41LERT_EVENT_EXISTING\x10\x01\x12\x16\n\x12\x41LERT_EVENT_OPENED\x10\x02\x12\x18\n\x14\x41LERT_EVENT_RESOLVED\x10\x03\x12\x1c\n\x18\x41LERT_EVENT_ACKNOWLEDGED\x10\x04\x32\xfe\x03\n\x15SpeculationController\x12O\n\x07\x43onnect\x12\x1d.speculation.v1.WorkerMessage\x1a!.speculation.v1.ControllerMessage(\x01\x30\x01\x12G\n\x06\x44\x65\x63ide\x12\x1d.speculation.v1.DecideRequest\x1a\x1e.speculation.v1.DecideResponse\x12P\n\tGetStatus\x12 .speculation.v1.GetStatusRequest\x1a!.speculation.v1.GetStatusResponse\x12O\n\x0bWatchAlerts\x12\".speculation.v1.WatchAlertsRequest\x1a\x1a.speculation.v1.DriftAlert0\x01\x12M\n\x08\x41\x63kAlert\x12\x1f.speculation.v1.AckAlertRequest\x1a .speculation.v1.AckAlertResponse\x12Y\n\x0cReloadPolicy\x12#.speculation.v1.ReloadPolicyRequest\x1a$.speculation.v1.ReloadPolicyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.speculation.v1.controller_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECIDEREQUEST']._serialized_start=129
-  _globals['_DECIDEREQUEST']._serialized_end=293
-  _globals['_DECIDEQUERY']._serialized_start=295
-  _globals['_DECIDEQUERY']._serialized_end=369
-  _globals['_DECIDERESPONSE']._serialized_start=372
-  _globals['_DECIDERESPONSE']._serialized_end=502
-  _globals['_GETSTATUSREQUEST']._serialized_start=504
-  _globals['_GETSTATUSREQUEST']._serialized_end=541
-  _globals['_COSTMODEL']._serialized_start=544
-  _globals['_COSTMODEL']._serialized_end=800
-  _globals['_STRATUMACCEPTANCE']._serialized_start=803
-  _globals['_STRATUMACCEPTANCE']._serialized_end=1023
-  _globals['_WORKERSTATUS']._serialized_start=1026
-  _globals['_WORKERSTATUS']._serialized_end=1431
-  _globals['_REJECTIONCOUNT']._serialized_start=1433
-  _globals['_REJECTIONCOUNT']._serialized_end=1510
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1513
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1703
-  _globals['_SPECULATIONCONTROLLER']._serialized_start=1706
-  _globals['_SPECULATIONCONTROLLER']._serialized_end=1965
+  _globals['_ALERTACTION']._serialized_start=2780
+  _globals['_ALERTACTION']._serialized_end=2927
+  _globals['_ALERTSEVERITY']._serialized_start=2930
+  _globals['_ALERTSEVERITY']._serialized_end=3059
+  _globals['_ALERTSTATUS']._serialized_start=3061
+  _globals['_ALERTSTATUS']._serialized_end=3154
+  _globals['_ALERTEVENT']._serialized_start=3157
+  _globals['_ALERTEVENT']._serialized_end=3304
+  _globals['_DRIFTALERT']._serialized_start=129
+  _globals['_DRIFTALERT']._serialized_end=897
+  _globals['_WATCHALERTSREQUEST']._serialized_start=899
+  _globals['_WATCHALERTSREQUEST']._serialized_end=988
+  _globals['_ACKALERTREQUEST']._serialized_start=990
+  _globals['_ACKALERTREQUEST']._serialized_end=1043
+  _globals['_ACKALERTRESPONSE']._serialized_start=1045
+  _globals['_ACKALERTRESPONSE']._serialized_end=1106
+  _globals['_RELOADPOLICYREQUEST']._serialized_start=1108
+  _globals['_RELOADPOLICYREQUEST']._serialized_end=1129
+  _globals['_RELOADPOLICYRESPONSE']._serialized_start=1131
+  _globals['_RELOADPOLICYRESPONSE']._serialized_end=1200
+  _globals['_DECIDEREQUEST']._serialized_start=1203
+  _globals['_DECIDEREQUEST']._serialized_end=1367
+  _globals['_DECIDEQUERY']._serialized_start=1369
+  _globals['_DECIDEQUERY']._serialized_end=1443
+  _globals['_DECIDERESPONSE']._serialized_start=1446
+  _globals['_DECIDERESPONSE']._serialized_end=1576
+  _globals['_GETSTATUSREQUEST']._serialized_start=1578
+  _globals['_GETSTATUSREQUEST']._serialized_end=1615
+  _globals['_COSTMODEL']._serialized_start=1618
+  _globals['_COSTMODEL']._serialized_end=1874
+  _globals['_STRATUMACCEPTANCE']._serialized_start=1877
+  _globals['_STRATUMACCEPTANCE']._serialized_end=2097
+  _globals['_WORKERSTATUS']._serialized_start=2100
+  _globals['_WORKERSTATUS']._serialized_end=2505
+  _globals['_REJECTIONCOUNT']._serialized_start=2507
+  _globals['_REJECTIONCOUNT']._serialized_end=2584
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2587
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2777
+  _globals['_SPECULATIONCONTROLLER']._serialized_start=3307
+  _globals['_SPECULATIONCONTROLLER']._serialized_end=3817
 # @@protoc_insertion_point(module_scope)

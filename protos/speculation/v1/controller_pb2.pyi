@@ -1,12 +1,161 @@
 from protos.speculation.v1 import worker_pb2 as _worker_pb2
 from protos.speculation.v1 import plan_pb2 as _plan_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class AlertAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALERT_ACTION_UNSPECIFIED: _ClassVar[AlertAction]
+    ALERT_ACTION_RETRAIN_HEADS: _ClassVar[AlertAction]
+    ALERT_ACTION_EXTEND_TRAINING_CONTEXT: _ClassVar[AlertAction]
+    ALERT_ACTION_INVESTIGATE: _ClassVar[AlertAction]
+
+class AlertSeverity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALERT_SEVERITY_UNSPECIFIED: _ClassVar[AlertSeverity]
+    ALERT_SEVERITY_INFO: _ClassVar[AlertSeverity]
+    ALERT_SEVERITY_WARNING: _ClassVar[AlertSeverity]
+    ALERT_SEVERITY_CRITICAL: _ClassVar[AlertSeverity]
+
+class AlertStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALERT_STATUS_UNSPECIFIED: _ClassVar[AlertStatus]
+    ALERT_STATUS_OPEN: _ClassVar[AlertStatus]
+    ALERT_STATUS_RESOLVED: _ClassVar[AlertStatus]
+
+class AlertEvent(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALERT_EVENT_UNSPECIFIED: _ClassVar[AlertEvent]
+    ALERT_EVENT_EXISTING: _ClassVar[AlertEvent]
+    ALERT_EVENT_OPENED: _ClassVar[AlertEvent]
+    ALERT_EVENT_RESOLVED: _ClassVar[AlertEvent]
+    ALERT_EVENT_ACKNOWLEDGED: _ClassVar[AlertEvent]
+ALERT_ACTION_UNSPECIFIED: AlertAction
+ALERT_ACTION_RETRAIN_HEADS: AlertAction
+ALERT_ACTION_EXTEND_TRAINING_CONTEXT: AlertAction
+ALERT_ACTION_INVESTIGATE: AlertAction
+ALERT_SEVERITY_UNSPECIFIED: AlertSeverity
+ALERT_SEVERITY_INFO: AlertSeverity
+ALERT_SEVERITY_WARNING: AlertSeverity
+ALERT_SEVERITY_CRITICAL: AlertSeverity
+ALERT_STATUS_UNSPECIFIED: AlertStatus
+ALERT_STATUS_OPEN: AlertStatus
+ALERT_STATUS_RESOLVED: AlertStatus
+ALERT_EVENT_UNSPECIFIED: AlertEvent
+ALERT_EVENT_EXISTING: AlertEvent
+ALERT_EVENT_OPENED: AlertEvent
+ALERT_EVENT_RESOLVED: AlertEvent
+ALERT_EVENT_ACKNOWLEDGED: AlertEvent
+
+class DriftAlert(_message.Message):
+    __slots__ = ("id", "drafter_kind", "drafter_version", "stratum", "context_len_min", "context_len_max", "domain", "detector", "statistic", "has_p_value", "p_value", "p_adjusted", "score", "baseline_hist", "current_hist", "baseline_alpha", "current_alpha", "expected_tau_change", "first_seen", "opened_at", "severity", "action", "message", "status", "resolved_at", "resolution", "n_baseline", "n_current", "event", "acked_at", "acked_by")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STRATUM_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LEN_MIN_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LEN_MAX_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    DETECTOR_FIELD_NUMBER: _ClassVar[int]
+    STATISTIC_FIELD_NUMBER: _ClassVar[int]
+    HAS_P_VALUE_FIELD_NUMBER: _ClassVar[int]
+    P_VALUE_FIELD_NUMBER: _ClassVar[int]
+    P_ADJUSTED_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_HIST_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_HIST_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TAU_CHANGE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    OPENED_AT_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RESOLVED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESOLUTION_FIELD_NUMBER: _ClassVar[int]
+    N_BASELINE_FIELD_NUMBER: _ClassVar[int]
+    N_CURRENT_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    ACKED_AT_FIELD_NUMBER: _ClassVar[int]
+    ACKED_BY_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    drafter_kind: _worker_pb2.DrafterKind
+    drafter_version: str
+    stratum: str
+    context_len_min: int
+    context_len_max: int
+    domain: str
+    detector: str
+    statistic: float
+    has_p_value: bool
+    p_value: float
+    p_adjusted: float
+    score: float
+    baseline_hist: _containers.RepeatedScalarFieldContainer[int]
+    current_hist: _containers.RepeatedScalarFieldContainer[int]
+    baseline_alpha: _containers.RepeatedScalarFieldContainer[float]
+    current_alpha: _containers.RepeatedScalarFieldContainer[float]
+    expected_tau_change: float
+    first_seen: float
+    opened_at: float
+    severity: AlertSeverity
+    action: AlertAction
+    message: str
+    status: AlertStatus
+    resolved_at: float
+    resolution: str
+    n_baseline: int
+    n_current: int
+    event: AlertEvent
+    acked_at: float
+    acked_by: str
+    def __init__(self, id: _Optional[str] = ..., drafter_kind: _Optional[_Union[_worker_pb2.DrafterKind, str]] = ..., drafter_version: _Optional[str] = ..., stratum: _Optional[str] = ..., context_len_min: _Optional[int] = ..., context_len_max: _Optional[int] = ..., domain: _Optional[str] = ..., detector: _Optional[str] = ..., statistic: _Optional[float] = ..., has_p_value: _Optional[bool] = ..., p_value: _Optional[float] = ..., p_adjusted: _Optional[float] = ..., score: _Optional[float] = ..., baseline_hist: _Optional[_Iterable[int]] = ..., current_hist: _Optional[_Iterable[int]] = ..., baseline_alpha: _Optional[_Iterable[float]] = ..., current_alpha: _Optional[_Iterable[float]] = ..., expected_tau_change: _Optional[float] = ..., first_seen: _Optional[float] = ..., opened_at: _Optional[float] = ..., severity: _Optional[_Union[AlertSeverity, str]] = ..., action: _Optional[_Union[AlertAction, str]] = ..., message: _Optional[str] = ..., status: _Optional[_Union[AlertStatus, str]] = ..., resolved_at: _Optional[float] = ..., resolution: _Optional[str] = ..., n_baseline: _Optional[int] = ..., n_current: _Optional[int] = ..., event: _Optional[_Union[AlertEvent, str]] = ..., acked_at: _Optional[float] = ..., acked_by: _Optional[str] = ...) -> None: ...
+
+class WatchAlertsRequest(_message.Message):
+    __slots__ = ("include_history", "open_only", "drafter_version")
+    INCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ONLY_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    include_history: bool
+    open_only: bool
+    drafter_version: str
+    def __init__(self, include_history: _Optional[bool] = ..., open_only: _Optional[bool] = ..., drafter_version: _Optional[str] = ...) -> None: ...
+
+class AckAlertRequest(_message.Message):
+    __slots__ = ("alert_id", "acked_by")
+    ALERT_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_BY_FIELD_NUMBER: _ClassVar[int]
+    alert_id: str
+    acked_by: str
+    def __init__(self, alert_id: _Optional[str] = ..., acked_by: _Optional[str] = ...) -> None: ...
+
+class AckAlertResponse(_message.Message):
+    __slots__ = ("alert",)
+    ALERT_FIELD_NUMBER: _ClassVar[int]
+    alert: DriftAlert
+    def __init__(self, alert: _Optional[_Union[DriftAlert, _Mapping]] = ...) -> None: ...
+
+class ReloadPolicyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReloadPolicyResponse(_message.Message):
+    __slots__ = ("loaded", "policy", "error")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    loaded: bool
+    policy: str
+    error: str
+    def __init__(self, loaded: _Optional[bool] = ..., policy: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class DecideRequest(_message.Message):
     __slots__ = ("worker_id", "hello", "reports", "queries")

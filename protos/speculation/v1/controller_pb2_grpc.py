@@ -51,6 +51,21 @@ class SpeculationControllerStub:
                 request_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.WatchAlerts = channel.unary_stream(
+                '/speculation.v1.SpeculationController/WatchAlerts',
+                request_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.WatchAlertsRequest.SerializeToString,
+                response_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.DriftAlert.FromString,
+                _registered_method=True)
+        self.AckAlert = channel.unary_unary(
+                '/speculation.v1.SpeculationController/AckAlert',
+                request_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertRequest.SerializeToString,
+                response_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertResponse.FromString,
+                _registered_method=True)
+        self.ReloadPolicy = channel.unary_unary(
+                '/speculation.v1.SpeculationController/ReloadPolicy',
+                request_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
+                response_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyResponse.FromString,
+                _registered_method=True)
 
 
 class SpeculationControllerServicer:
@@ -83,6 +98,34 @@ class SpeculationControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchAlerts(self, request, context):
+        """Drift alerts: first every alert matching the request that is already
+        known (history from the store included when `include_history`), then
+        each new event (opened, resolved, acknowledged) as it happens. The
+        stream stays open until the client cancels.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckAlert(self, request, context):
+        """Acknowledge an alert (admin). An acknowledged alert stays open until
+        its stratum resolves; acknowledgement only records that a person or a
+        pipeline has taken it. Needs the admin token when auth is on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReloadPolicy(self, request, context):
+        """Re-read the policy file now (admin), as SIGHUP does. A file that does
+        not load is refused and the policy in force stays. Needs the admin
+        token when auth is on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpeculationControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +143,21 @@ def add_SpeculationControllerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusRequest.FromString,
                     response_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'WatchAlerts': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchAlerts,
+                    request_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.WatchAlertsRequest.FromString,
+                    response_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.DriftAlert.SerializeToString,
+            ),
+            'AckAlert': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckAlert,
+                    request_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertRequest.FromString,
+                    response_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertResponse.SerializeToString,
+            ),
+            'ReloadPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadPolicy,
+                    request_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyRequest.FromString,
+                    response_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +241,87 @@ class SpeculationController:
             '/speculation.v1.SpeculationController/GetStatus',
             protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusRequest.SerializeToString,
             protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchAlerts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/speculation.v1.SpeculationController/WatchAlerts',
+            protos_dot_speculation_dot_v1_dot_controller__pb2.WatchAlertsRequest.SerializeToString,
+            protos_dot_speculation_dot_v1_dot_controller__pb2.DriftAlert.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckAlert(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speculation.v1.SpeculationController/AckAlert',
+            protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertRequest.SerializeToString,
+            protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReloadPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speculation.v1.SpeculationController/ReloadPolicy',
+            protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
+            protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyResponse.FromString,
             options,
             channel_credentials,
             insecure,
