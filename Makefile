@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/speculation/v1/*.proto)
 
-.PHONY: demo test proto bench-controller clean
+.PHONY: demo test proto bench-controller clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/specctl demo
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q
+
+# Debian's Chromium for the status page's headless-browser test (CI runs as root).
+chromium:
+	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
 
 # Regenerate the Python code of the speculation.v1 protos (a test fails when it is stale).
 proto: $(STAMP)

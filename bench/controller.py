@@ -482,10 +482,11 @@ class SectionTimers:
 
 
 async def _controller_main(conn, profile_dir: str | None) -> None:
-    from controller.config import ServerConfig
+    from controller.config import ServerConfig, StoreSettings
     from controller.server import start_server
 
-    running = await start_server(ServerConfig(listen="127.0.0.1:0"), "127.0.0.1:0")
+    # Default config, but a store of its own: nothing learned by another run on this folder comes back.
+    running = await start_server(ServerConfig(listen="127.0.0.1:0", store=StoreSettings(path="")), "127.0.0.1:0")
     loop_errors: list[str] = []
 
     def on_loop_error(loop, context) -> None:
@@ -502,11 +503,12 @@ async def _controller_main(conn, profile_dir: str | None) -> None:
     conn.send(("ready", running.port))
     if profiler is not None:
         profiler.enable()
-    open_streams, queue_dropped = 0, 0
+    open_streams, queue_dropped, drift = 0, 0, None
     try:
         await wait_for_stop(conn)
         open_streams = len(running.servicer.streams)
         queue_dropped = sum(s.dropped for s in running.servicer.streams.values())
+        drift = running.alerting.stats() if running.alerting is not None else None
     finally:
         if profiler is not None:
             profiler.disable()
@@ -517,7 +519,7 @@ async def _controller_main(conn, profile_dir: str | None) -> None:
              "policy": ctl.policy.name, "rejections": {int(k): v for k, v in ctl.rejections.items()},
              "workers": len(workers), "steps": sum(s.steps_ingested for s in workers.values()),
              "send_queue_dropped": queue_dropped, "open_streams_at_stop": open_streams, "loop_errors": loop_errors[:20],
-             "loop_error_count": len(loop_errors)}
+             "loop_error_count": len(loop_errors), "drift_monitor": drift}
     if profiler is not None:
         path = Path(profile_dir)
         profiler.dump_stats(str(path / "controller.prof"))
@@ -908,6 +910,7 @@ def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duratio
         "controller_peak_rss_mb": ctl_srv.get("peak_rss_mb"),
         "controller_rejections": ctl_srv.get("rejections", {}),
         "controller_send_queue_dropped": ctl_srv.get("send_queue_dropped"),
+        "controller_drift_monitor": ctl_srv.get("drift_monitor"),  # sampled share, µs per request-step, events
         "controller_open_streams_at_stop": ctl_srv.get("open_streams_at_stop"),
         "controller_loop_errors": ctl_srv.get("loop_errors"),
         "controller_loop_error_count": ctl_srv.get("loop_error_count"),

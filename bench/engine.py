@@ -102,13 +102,13 @@ class _Controller:
     """An in-process controller on a background event loop."""
 
     def __init__(self, policy: str) -> None:
-        from controller.config import PlanSettings, ServerConfig
+        from controller.config import PlanSettings, ServerConfig, StoreSettings
         from controller.server import start_server
 
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="bench-controller").start()
         plan = PlanSettings(recompute_interval_s=0.5, min_push_interval_s=0.5)
-        cfg = ServerConfig(listen="127.0.0.1:0", policy=policy, plan=plan)
+        cfg = ServerConfig(listen="127.0.0.1:0", policy=policy, plan=plan, store=StoreSettings(path=""))
         self.running = asyncio.run_coroutine_threadsafe(start_server(cfg), self.loop).result(30)
         self.address = self.running.address
 
@@ -250,19 +250,31 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
 @torch.inference_mode()
 def _hf_prompt_lookup(model, ids, max_new_tokens, k, reference) -> EngineRun:
-    outs, tokens = [], 0
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for p in ids:
-        x = torch.tensor([p])
-        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
-                           prompt_lookup_num_tokens=k)
-        o = y[0, len(p):].tolist()
-        outs.append(o)
-        tokens += len(o)
-    secs, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    """transformers' prompt lookup, one prompt at a time. Its target
+    forwards are counted with a forward hook, so its mean
+    accepted length is comparable with the engine's: steps are
+    deterministic under greedy decoding, unlike the clock."""
+    outs, tokens, forwards = [], 0, [0]
+    hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        for p in ids:
+            x = torch.tensor([p])
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=k)
+            o = y[0, len(p):].tolist()
+            outs.append(o)
+            tokens += len(o)
+        secs, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    finally:
+        hook.remove()
+    # Assisted decoding runs the prompt and the first candidates in one
+    # forward: every forward is one step, emitting τ + 1 tokens.
+    steps = forwards[0]
     return EngineRun("hf-prompt-lookup", f"static-d{k}", 1, tokens_per_s=tokens / secs, speedup_vs_plain=0.0,
-                     mean_accepted=float("nan"), lossless=outs == reference, tokens=tokens, seconds=secs,
-                     tokens_per_cpu_s=tokens / cpu, note="transformers generate(prompt_lookup_num_tokens); batch 1 only")
+                     mean_accepted=(tokens - steps) / max(steps, 1), lossless=outs == reference,
+                     tokens=tokens, seconds=secs, tokens_per_cpu_s=tokens / cpu, steps=steps,
+                     note="transformers generate(prompt_lookup_num_tokens); batch 1 only")
 
 
 def _print_table(runs) -> None:

@@ -22,8 +22,10 @@ simulator builds its trees from), and the batch takes the TETRIS rule of
 ranked by value — for every batch-wide depth cap ``L = 1..max_depth`` (a
 draft level is one forward for the whole batch, so opening a level at all is
 a decision a value-ordered prefix alone gets wrong), each prefix priced
-exactly by :class:`TrueCost` for *this* batch (its real context lengths,
-deepest level, tree widths, attention pairs). The best (cap, prefix) wins.
+exactly by the simulator's own :class:`worker.sim.hardware.CostModel` for
+*this* batch (its real context lengths, deepest level, tree widths,
+attention pairs). The best (cap, prefix) wins; it is reused while the batch
+and its requests' tree values stay the same (:data:`REUSE_STEPS`).
 
 Why nothing causal can beat it (up to sampling noise): it chooses from the
 same action space as every policy — per-request depth, width, node budget,
@@ -54,54 +56,11 @@ from worker.sim.worker import SimWorker
 
 MAX_CANDIDATES = 4096  # nodes considered per step (the best by value); far more than any batch can use
 MIN_VALUE = 1e-3  # nodes accepted less often than this never pay for their verification
-
-
-class TrueCost:
-    """The simulator's noise-free step cost for one batch, over many prefixes at once.
-
-    Mirrors :meth:`worker.sim.hardware.CostModel.verify_ms` and
-    :meth:`~worker.sim.hardware.CostModel.draft_ms` exactly, but evaluates
-    many candidate allocations in one pass: the inputs are per-prefix
-    aggregates (``[..., P]`` or ``[..., P, levels]``).
-    """
-
-    def __init__(self, worker: SimWorker) -> None:
-        cost = worker.cost
-        self.hw, self.model, self.drafter = cost.hardware, cost.model, cost.drafter
-        self.bytes_per_ms = self.hw.bytes_per_ms
-        self.flops_per_ms = self.hw.flops_per_ms
-        self.fixed_ms = self.hw.fixed_ms
-        self.kind = self.drafter.kind
-
-    def memory_ms(self, kv_tokens: float) -> float:
-        return (self.model.weight_bytes + kv_tokens * self.model.kv_bytes_per_token) / self.bytes_per_ms
-
-    @property
-    def token_ms(self) -> float:
-        """Verify compute per batch token (attention excluded): the least a node costs past the kink."""
-        return 2.0 * self.model.params / self.flops_per_ms
-
-    def verify_ms(self, batch_tokens: np.ndarray, kv_tokens: float, attn_pairs: np.ndarray) -> np.ndarray:
-        memory = self.memory_ms(kv_tokens)
-        flops = 2.0 * self.model.params * batch_tokens + self.model.attn_flops_per_pair * attn_pairs
-        return self.fixed_ms + np.maximum(memory, flops / self.flops_per_ms)
-
-    def draft_ms(self, count: np.ndarray, width_sum: np.ndarray, kv: np.ndarray) -> np.ndarray:
-        """Draft cost per prefix; ``[..., level]`` inputs: requests drafting each
-        level, the sum of their tree widths, and the sum of their context lengths."""
-        p = self.drafter.params
-        active = count > 0
-        if self.kind == "medusa":
-            levels = active.sum(axis=-1)
-            mem = 2.0 * p * levels / self.bytes_per_ms
-            comp = 2.0 * p * count.sum(axis=-1) / self.flops_per_ms
-            return np.where(levels > 0, self.drafter.step_overhead_ms + np.maximum(mem, comp), 0.0)
-        tokens = width_sum.copy()
-        tokens[..., 0] = count[..., 0]  # level 1 drafts one token per request
-        mem = (2.0 * p + kv * self.model.kv_bytes_per_token * self.drafter.kv_fraction) / self.bytes_per_ms
-        comp = 2.0 * p * tokens / self.flops_per_ms
-        per_level = np.where(active, self.drafter.step_overhead_ms + np.maximum(mem, comp), 0.0)
-        return per_level.sum(axis=-1)
+# An allocation is reused while the batch and every request's node list stay the same
+# (the lists are keyed by the 1/256-quantised q), for at most this many steps: in
+# between only the KV read grows, by a few tokens per request per step, which moves
+# a step's price by far less than its 3 % timing noise.
+REUSE_STEPS = 16
 
 
 class OracleDecider:
@@ -114,13 +73,14 @@ class OracleDecider:
 
     def __init__(self, worker: SimWorker) -> None:
         self.worker = worker
-        self.cost = TrueCost(worker)
+        self.cost = worker.cost  # the simulator's own roofline, priced noise-free
         self.max_depth, self.max_width, self.max_nodes = worker.max_depth, worker.max_width, worker.max_nodes
         self.now = 0.0
         self.fresh = True
         self.decisions: dict[str, Decision] = {}
         self._cache: dict[bytes, np.ndarray] = {}
         self._memo: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._last: tuple[list[np.ndarray], dict[str, Decision], int] | None = None  # lists, answer, steps used
         self.alpha1_sum = 0.0  # Σ over decided request-steps of the true q[1, 1] (for plots)
         self.alpha1_n = 0
 
@@ -185,14 +145,8 @@ class OracleDecider:
 
     # -- per batch -----------------------------------------------------------
     def allocate(self) -> dict[str, Decision]:
-        """Best (depth cap, TETRIS prefix) for the batch, priced exactly.
-
-        For each batch-wide depth cap ``L`` — a draft level is one forward for
-        the whole batch, so whether a level is opened at all is the decision
-        that matters — every request's node list is its best-first tree capped
-        at ``L``; the lists are merged by value and every prefix is priced with
-        the true cost. The best prefix over all caps wins.
-        """
+        """The step's decisions: :meth:`_allocate` on the batch's true node lists,
+        or its last answer while the batch and its lists are unchanged."""
         w = self.worker
         running = w.running
         b = len(running)
@@ -204,7 +158,28 @@ class OracleDecider:
         q = w.acceptance.rank_probs_batch(ctx, dom, np.array([r.multiplier for r in running]))
         self.alpha1_sum += float(q[:, 0, 0].sum())
         self.alpha1_n += b
-        packed = np.stack([self.request_lists(r.request_id, q[i]) for i, r in enumerate(running)])  # [B, L, 3N + 3]
+        lists = [self.request_lists(r.request_id, q[i]) for i, r in enumerate(running)]
+        last = self._last
+        if (last is not None and last[2] < REUSE_STEPS and len(last[0]) == b
+                and all(x is y for x, y in zip(last[0], lists))):
+            self._last = (last[0], last[1], last[2] + 1)
+            return last[1]
+        out = self._allocate(lists, ctx)
+        self._last = (lists, out, 1)
+        return out
+
+    def _allocate(self, lists: list[np.ndarray], ctx: np.ndarray) -> dict[str, Decision]:
+        """Best (depth cap, TETRIS prefix) for the batch, priced exactly.
+
+        For each batch-wide depth cap ``L`` — a draft level is one forward for
+        the whole batch, so whether a level is opened at all is the decision
+        that matters — every request's node list is its best-first tree capped
+        at ``L``; the lists are merged by value and every prefix is priced with
+        the true cost. The best prefix over all caps wins.
+        """
+        running = self.worker.running
+        b = len(running)
+        packed = np.stack(lists)  # [B, L, 3N + 3]
         n = self.max_nodes
         values_all = packed[:, :, :n]  # [B, L, N]
         depth_all = packed[:, :, n : 2 * n + 1].astype(np.int64)  # [B, L, N + 1]
@@ -261,7 +236,7 @@ class OracleDecider:
         attn = np.full((caps, n_cand + 1), kv)
         np.cumsum(ctx_i, axis=1, out=attn[:, 1:])
         attn[:, 1:] += kv
-        step_ms = self.cost.verify_ms(b + taken, kv, attn) + self.cost.draft_ms(count, width_sum, kv_l)
+        step_ms = self.cost.verify_ms(b + taken, kv, attn) + self.cost.draft_levels_ms(count, width_sum, kv_l)
         in_list = np.arange(n_cand)[None, :] < n_valid[:, None]
         tokens = np.full((caps, n_cand + 1), float(b))
         np.cumsum(np.take_along_axis(vals, order, axis=1) * in_list, axis=1, out=tokens[:, 1:])

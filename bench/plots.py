@@ -67,10 +67,12 @@ def plot_goodput(report: dict, path: Path, metric: str = "goodput_tok_s") -> Non
     plt.close(fig)
 
 
-def plot_series(name: str, series: dict[str, dict], entry: dict, path: Path) -> None:
-    """Decisions (mean depth used per request-step) and goodput over time, every policy;
-    the oracle's true mean acceptance of position 1 on a second axis."""
-    fig, (ax_depth, ax_good, ax_batch) = plt.subplots(3, 1, figsize=(11, 9.5), sharex=True)
+def plot_series(name: str, series: dict[str, dict], entry: dict, path: Path, gate: dict | None = None) -> None:
+    """Decisions (mean depth used per request-step), goodput, batch size and the
+    accepted tokens per step of finished requests over time, every policy; the
+    oracle's true mean acceptance of position 1 on a second axis; ``gate``
+    (``threshold``, ``window``): the TensorRT-LLM gate's line on the last panel."""
+    fig, (ax_depth, ax_good, ax_batch, ax_gate) = plt.subplots(4, 1, figsize=(11, 12), sharex=True)
     names = sorted(series, key=lambda n: (n in (PRODUCT, "oracle", "trtllm-gate"), n))
     for i, n in enumerate(names):
         s = series[n]
@@ -83,6 +85,8 @@ def plot_series(name: str, series: dict[str, dict], entry: dict, path: Path) -> 
         ax_depth.plot(t, _nan(s["mean_depth"]), label=label, **style)
         ax_good.plot(t, _nan(s["goodput_tok_s"]), label=label, **style)
         ax_batch.plot(t, _nan(s["mean_batch"]), label=label, **style)
+        if "finished_accepted_per_step" in s:
+            ax_gate.plot(t, _nan(s["finished_accepted_per_step"]), label=label, **style)
     oracle = series.get("oracle", {})
     if oracle.get("true_alpha1"):
         twin = ax_depth.twinx()
@@ -94,8 +98,15 @@ def plot_series(name: str, series: dict[str, dict], entry: dict, path: Path) -> 
     ax_depth.set_ylabel("mean depth used\n(0 = off)", fontsize=8)
     ax_good.set_ylabel("goodput (tok/s)", fontsize=8)
     ax_batch.set_ylabel("mean batch size", fontsize=8)
-    ax_batch.set_xlabel("scenario time (s)", fontsize=8)
-    for ax in (ax_depth, ax_good, ax_batch):
+    ax_gate.set_ylabel("accepted tokens per step\nof finished requests", fontsize=8)
+    ax_gate.set_xlabel("scenario time (s)", fontsize=8)
+    if gate:
+        ax_gate.axhline(gate["threshold"], color="#1f77b4", lw=1.0, ls="--")
+        ax_gate.text(0.01, gate["threshold"], f" trtllm-gate threshold {gate['threshold']:g} "
+                     f"(mean of the last {gate['window']} requests; below it: off for good)",
+                     color="#1f77b4", fontsize=7, va="bottom", transform=ax_gate.get_yaxis_transform())
+        ax_gate.set_ylim(bottom=0)
+    for ax in (ax_depth, ax_good, ax_batch, ax_gate):
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     ax_depth.legend(loc="upper left", fontsize=6.5, ncol=3)

@@ -25,8 +25,9 @@ given) the simulated fleet (:mod:`worker.sim`) runs once per
 - ``oracle``: :class:`bench.oracle.OracleDecider` — the true acceptance and
   step cost, the goodput-optimal allocation every step (the ceiling).
 
-Every run of a scenario sees the same arrivals: the simulator draws them
-from a seed stream no decision touches. Time is simulated (the controller's
+Every run of a scenario sees the same clients: open-loop arrivals come from
+a seed stream no decision touches, closed-loop users draw their requests
+from their own streams. Time is simulated (the controller's
 clock is the simulator's), so a seed gives the same numbers on any machine
 and at any ``--jobs``.
 
@@ -42,10 +43,20 @@ Metrics per run (``DIR/policies.json``):
 - ``vs_oracle`` / ``vs_best_static``: goodput ratios;
 - ``request_tok_s``: Σ tokens / Σ (batch size × step time), a request's
   decode speed in the batch (≈ 1000 / TPOT), with ``request_vs_oracle`` /
-  ``request_vs_best_static``. In an open system whose GPU never idles and
-  never saturates, goodput is set by the arrivals (every policy emits the
-  same tokens over the same busy time); the per-request speed is where a
-  better policy shows then.
+  ``request_vs_best_static``.
+
+Clients. The shipped scenarios drive the fleet with closed-loop users, as
+vLLM's serving benchmark does with ``--max-concurrency``: each user sends
+its next request when its last reply is complete (after a think time, in
+the threshold-cliff scenario), so a policy that decodes faster serves more
+requests in the same time and goodput measures its decisions. With
+open-loop arrivals (still available: ``poisson`` / ``bursty``) a GPU that
+keeps up emits exactly the arrival rate of tokens whatever it decides, and
+tokens per busy second tell policies apart only once it saturates: every
+ratio sits near 1.0. The user counts give each phase the batch sizes of the
+regime the scenario is about. Closed loop, the same users send the same
+requests under every policy (each user has its own seed stream); a faster
+policy gets further down each user's list.
 
 ``--quick`` compresses every scenario's clock (durations, change times,
 burst dwell times) by :data:`QUICK_TIME_SCALE` at unchanged arrival rates,
@@ -134,7 +145,7 @@ def compress_time(data: dict, scale: float) -> dict:
 
     def dwell(traffic: dict | None) -> None:
         arrivals = (traffic or {}).get("arrivals") or {}
-        if arrivals.get("kind") == "bursty":
+        if arrivals.get("mean_on_s") is not None:  # bursty rates or bursty users
             arrivals["mean_on_s"] *= scale
             arrivals["mean_off_s"] *= scale
 
@@ -187,7 +198,7 @@ class Series:
     """Per time bin, fleet-wide: tokens, busy time, request-steps, depth used, τ."""
 
     FIELDS = ("tokens", "busy_s", "request_steps", "depth_sum", "spec_steps", "accepted", "batch_sum", "steps",
-              "request_s")
+              "request_s", "finished_accepted", "finished_steps")
 
     def __init__(self, duration_s: float, bins: int = SERIES_BINS) -> None:
         self.bin_s = duration_s / bins
@@ -208,6 +219,9 @@ class Series:
         col[6] += t.batch_size
         col[7] += 1
         col[8] += t.batch_size * result.duration_s
+        for f in result.finished:  # what an acceptance gate averages: accepted per step of finished requests
+            col[9] += f.accepted_tokens
+            col[10] += f.steps
 
     def request_tok_s(self) -> float:
         """Σ tokens / Σ (batch size × step time): each request's decode speed, token-weighted."""
@@ -225,6 +239,8 @@ class Series:
                 "spec_fraction": np.where(d["request_steps"] > 0, d["spec_steps"] / d["request_steps"], np.nan).tolist(),
                 "mean_accepted": np.where(d["spec_steps"] > 0, d["accepted"] / d["spec_steps"], np.nan).tolist(),
                 "mean_batch": np.where(d["steps"] > 0, d["batch_sum"] / d["steps"], np.nan).tolist(),
+                "finished_accepted_per_step": np.where(d["finished_steps"] > 0,
+                                                       d["finished_accepted"] / d["finished_steps"], np.nan).tolist(),
             }
         return {k: [None if (isinstance(x, float) and math.isnan(x)) else round(x, 4) for x in v] for k, v in out.items()}
 
@@ -694,6 +710,7 @@ def run_policy_bench(
                                 f"{plans[0].finalists if plans else 3} by goodput and the best by request_tok_s "
                                 "at full length" if scout else "every point at full length")},
             "controller_config": config or "defaults (ServerConfig())",
+            "trtllm_gate": gate_settings(presets),
             "jobs": n_jobs,
             "runtime_s": None,
             "definitions": DEFINITIONS,
@@ -715,11 +732,19 @@ def run_policy_bench(
         plot_goodput(report, out / "policies-speed.png", metric="request_tok_s")
         for name, entry in report["scenarios"].items():
             if entry["has_changes"]:
-                plot_series(name, all_series[name], entry, out / f"series-{name}.png")
+                plot_series(name, all_series[name], entry, out / f"series-{name}.png", report["meta"]["trtllm_gate"])
     console.print(results_table(report))
     console.print(goals_table(report))
     console.print(f"wrote {out / 'policies.json'} in {report['meta']['runtime_s']:.1f} s")
     return report
+
+
+def gate_settings(presets: Sequence[str]) -> dict | None:
+    """The TensorRT-LLM gate preset's threshold and window, for the series plots."""
+    if "trtllm-gate" not in presets:
+        return None
+    config = load_preset("trtllm-gate").config
+    return {"threshold": config.acceptance_rate_threshold, "window": config.acceptance_rate_window_size}
 
 
 DEFINITIONS = {

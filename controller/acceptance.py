@@ -17,8 +17,22 @@ and ranks beyond the candidates offered stay untouched.
 Forgetting keeps the model following change: the data part of every
 posterior decays with a half-life in seconds of the caller's clock, and each
 cell's evidence is capped, so a busy stratum still moves within a bounded
-number of observations. Memory is fixed per stratum (two ``depth × width``
+number of observations. Memory is fixed per stratum (a few ``depth × width``
 arrays), and the number of drafter versions kept is bounded (LRU).
+
+Cells a policy stops testing would otherwise keep what they knew when it
+stopped: after acceptance drops the policy drafts shallower, the deep
+positions keep the drop, and when acceptance recovers nothing tells them —
+depth would come back only as their evidence decays, over many half-lives.
+So at every :meth:`AcceptanceModel.tick` a stratum compares its reference
+cell (position 1, rank 1: tested by every speculating step) with its value
+at the last carry. Once it has moved by more than :data:`CARRY_CHANGE`, the
+old evidence of every cell that is mostly old (new data this tick below
+:data:`CARRY_FRESH` of what it held) moves its mean by the same ratio — a
+change of content or mix shifts acceptance at every position of the drafter
+alike — and cells with no data since the reference moved by more than
+:data:`STALE_CHANGE` keep at most :data:`STALE_EVIDENCE`, so Thompson
+probes re-test them soon. Well-tested cells follow their own data.
 """
 
 from __future__ import annotations
@@ -41,12 +55,19 @@ class AcceptancePrior:
     strength: float = 2.0
 
 
+CARRY_CHANGE = 0.02  # relative move of the reference that mostly-old cells follow
+CARRY_FRESH = 0.05  # new evidence per tick, as a share of a cell's old evidence, below which it follows
+STALE_CHANGE = 0.05  # relative move since an untested cell's last data that makes it uncertain again
+STALE_EVIDENCE = 50.0  # evidence (successes + failures) left in a cell made uncertain
+
+
 class StratumPosterior:
     """Posterior of one stratum: ``depth × width`` stick-breaking Beta cells."""
 
-    __slots__ = ("prior_a", "prior_b", "succ", "fail", "max_depth", "max_width", "updated_at", "observations")
+    __slots__ = ("prior_a", "prior_b", "succ", "fail", "max_depth", "max_width", "updated_at", "observations",
+                 "_old_succ", "_old_fail", "_anchor", "_carried")
 
-    def __init__(self, max_depth: int, max_width: int, prior: AcceptancePrior, now: float) -> None:
+    def __init__(self, max_depth: int, max_width: int, prior: AcceptancePrior, now: float | None) -> None:
         self.max_depth = max_depth
         self.max_width = max_width
         mean = np.full((max_depth, max_width), prior.deeper_rank_mean)
@@ -57,8 +78,13 @@ class StratumPosterior:
         # arithmetic is far cheaper than numpy scalar indexing on that path.
         self.succ = [0.0] * (max_depth * max_width)
         self.fail = [0.0] * (max_depth * max_width)
-        self.updated_at = now
+        self.updated_at = now  # None: no clock reading yet (created by a read), the first decay sets it
         self.observations = 0
+        cells = max_depth * max_width
+        self._old_succ = np.zeros(cells)  # each cell's evidence right after the last decay
+        self._old_fail = np.zeros(cells)
+        self._anchor = np.full(cells, np.nan)  # reference stick mean when the cell last had data
+        self._carried = float("nan")  # reference stick mean at the last carry
 
     def observe(self, accepted_rank: Sequence[int], level_candidates: Sequence[int]) -> None:
         """Add one request-step's per-position outcome (validated upstream)."""
@@ -91,18 +117,43 @@ class StratumPosterior:
         self.observations += count
 
     def decay(self, now: float, half_life_s: float, max_evidence: float) -> None:
-        """Forget old evidence: exponential in time, then cap each cell."""
-        dt = now - self.updated_at
+        """Forget old evidence: mostly-old cells follow the reference (module
+        docstring), then everything decays exponentially in time and each
+        cell is capped."""
+        dt = 0.0 if self.updated_at is None else now - self.updated_at
         factor = 0.5 ** (dt / half_life_s) if dt > 0 and half_life_s > 0 else 1.0
-        self.updated_at = max(self.updated_at, now)
-        succ, fail = self.succ, self.fail
-        for i in range(len(succ)):
-            s, f = succ[i] * factor, fail[i] * factor
-            total = s + f
-            if total > max_evidence:
-                scale = max_evidence / total
-                s, f = s * scale, f * scale
-            succ[i], fail[i] = s, f
+        self.updated_at = now if self.updated_at is None else max(self.updated_at, now)
+        old_s, old_f = self._old_succ, self._old_fail
+        new_s = np.maximum(np.asarray(self.succ) - old_s, 0.0)
+        new_f = np.maximum(np.asarray(self.fail) - old_f, 0.0)
+        a, b = self.prior_a.ravel(), self.prior_b.ravel()
+        succ0, fail0 = old_s[0] + new_s[0], old_f[0] + new_f[0]
+        reference = (a[0] + succ0) / (a[0] + b[0] + succ0 + fail0)
+        fresh = new_s + new_f
+        self._anchor[fresh > 0] = reference
+        if not self._carried == self._carried:  # NaN: first tick
+            self._carried = reference
+        ratio = reference / self._carried
+        if abs(ratio - 1.0) > CARRY_CHANGE:
+            old_n = old_s + old_f
+            follow = (old_n > 0) & (fresh < CARRY_FRESH * old_n)
+            follow[0] = False  # the reference itself
+            n = a + b + old_n
+            target = np.clip((a + old_s) / n * ratio, 0.005, 0.995)
+            moved = np.clip(target * n - a, 0.0, old_n)  # same evidence, mean moved: (a + s') / n = target
+            old_s = np.where(follow, moved, old_s)
+            old_f = np.where(follow, old_n - moved, old_f)
+            with np.errstate(invalid="ignore"):  # NaN anchor: a cell that never had data keeps its prior
+                stale = (fresh == 0) & (old_n > STALE_EVIDENCE) & (np.abs(reference / self._anchor - 1.0) > STALE_CHANGE)
+            shrink = np.where(stale, STALE_EVIDENCE / np.maximum(old_n, 1e-12), 1.0)
+            old_s, old_f = old_s * shrink, old_f * shrink
+            self._carried = reference
+        succ, fail = (old_s + new_s) * factor, (old_f + new_f) * factor
+        total = succ + fail
+        cap = np.where(total > max_evidence, max_evidence / np.maximum(total, 1e-12), 1.0)
+        succ, fail = succ * cap, fail * cap
+        self._old_succ, self._old_fail = succ, fail
+        self.succ, self.fail = succ.tolist(), fail.tolist()
 
     def beta_params(self) -> tuple[np.ndarray, np.ndarray]:  # each [depth, width]
         shape = (self.max_depth, self.max_width)
@@ -186,7 +237,8 @@ class AcceptanceModel:
     def context_bucket(self, context_len: int) -> int:
         return max(bisect_right(self.context_edges, context_len) - 1, 0)
 
-    def strata(self, key: DrafterKey, max_depth: int, max_width: int, now: float = 0.0) -> list[StratumPosterior]:
+    def strata(self, key: DrafterKey, max_depth: int, max_width: int,
+               now: float | None = None) -> list[StratumPosterior]:
         buckets = self._strata.get(key)
         if buckets is None or buckets[0].max_depth < max_depth or buckets[0].max_width < max_width:
             depth = max(max_depth, buckets[0].max_depth if buckets else 0)

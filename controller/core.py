@@ -52,7 +52,11 @@ log = logging.getLogger("specctl.controller")
 
 RECENT_STEPS = 512  # steps buffered for the policy between two decide() calls
 RECENT_FINISHED = 1024
-FINISHED_IDS = 16384  # ids remembered to refuse reports about finished requests
+# Finished request ids remembered to refuse reports about them. Such a report is an
+# engine bug, a step or two late: the last few hundred catch it, and the memory does
+# not grow with the requests a worker serves (200 workers: ~8 MB at most).
+FINISHED_IDS = 256
+MAX_PENDING = 64  # plans in flight per worker; a worker that never ACKs (stuck, or deaf) costs no more
 LOAD_EMA = 0.2
 
 
@@ -102,6 +106,16 @@ class WorkerState:
     sent_overrides: dict[str, Decision] = field(default_factory=dict)
     plan_push_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
     rejections: Counter = field(default_factory=Counter)
+    # Running totals for the metrics endpoint; CARRIED_COUNTERS survive a re-registration.
+    steps_total: int = 0
+    tokens_total: int = 0
+    step_ms_total: float = 0.0
+    plans_pushed: int = 0
+    decisions_pushed: int = 0
+    acks: int = 0
+    # (context bucket, depth, τ) -> request-steps of this worker's drafter version
+    # (shared with Controller.accept_counts, so a version keeps its counts).
+    accept_counts: dict = field(default_factory=dict)
 
     @property
     def worker_id(self) -> str:
@@ -113,6 +127,10 @@ class WorkerState:
 
     def observed_goodput(self) -> float:
         return 1000.0 * self.tokens_ema / self.step_ms_ema if self.step_ms_ema > 0 else 0.0
+
+
+CARRIED_COUNTERS = ("steps_total", "tokens_total", "step_ms_total", "plans_pushed", "decisions_pushed", "acks",
+                    "nacks", "rejections")
 
 
 class Controller:
@@ -137,6 +155,12 @@ class Controller:
         self.policy_reload_failures = 0
         self._last_tick = float("-inf")
         self.on_step: list[Callable[[WorkerState, worker_pb2.StepReport], None]] = []
+        # Same, with the step's validated request rows (rid, ctx, depth, width, nodes, τ, ranks, candidates):
+        # cheaper than reading the proto again.
+        self.on_step_rows: list[Callable[[WorkerState, worker_pb2.StepReport, list], None]] = []
+        self.on_hello: list[Callable[[WorkerState], None]] = []  # after every accepted Hello
+        # (worker id, drafter kind, drafter version) -> WorkerState.accept_counts
+        self.accept_counts: dict[tuple[str, str, str], dict[tuple[int, int, int], int]] = {}
 
     # ----------------------------------------------------------------- hello
     def hello(self, hello: worker_pb2.Hello) -> WorkerState:
@@ -153,10 +177,15 @@ class Controller:
             prior = CostParams.from_hardware(
                 hw.memory_bandwidth_gb_s, hw.peak_tflops, hw.weight_bytes, hw.kv_bytes_per_token, hw.params
             )
+            previous = state
             state = WorkerState(hello=hello, limits=limits, cost=StepCostModel(prior=prior))
             state.context_counts = [0.0] * len(self.context_edges)
             state.context_sums = [0.0] * len(self.context_edges)
             state.policy_state = self.policy.initial_state(seed=_stable_seed(hello.worker_id))
+            if previous is not None:
+                for name in CARRIED_COUNTERS:
+                    setattr(state, name, getattr(previous, name))
+            state.accept_counts = self.accept_counts.setdefault((hello.worker_id, *state.drafter_key), {})
             self.workers[hello.worker_id] = state
         state.hello = hello
         state.connected = True
@@ -164,6 +193,8 @@ class Controller:
         # worker tells us the plan it runs and the next one must be newer.
         state.plan_version = max(state.plan_version, hello.current_plan_version)
         state.acked_version = max(state.acked_version, hello.current_plan_version)
+        for hook in self.on_hello:
+            hook(state)
         return state
 
     def disconnect(self, state: WorkerState) -> None:
@@ -198,8 +229,11 @@ class Controller:
             self._apply_step(state, step, rows, chains, now)
         if chains:
             posteriors = self.acceptance.strata(state.drafter_key, state.limits.max_depth, state.limits.max_width, now)
-            for (bucket, depth, accepted), count in chains.items():
+            tally = state.accept_counts
+            for key, count in chains.items():
+                bucket, depth, accepted = key
                 posteriors[bucket].observe_chain(depth, accepted, count)
+                tally[key] = tally.get(key, 0) + count
         self._maybe_tick(now)
         return rejections
 
@@ -235,6 +269,8 @@ class Controller:
                         limits = state.limits
                         posteriors = self.acceptance.strata(state.drafter_key, limits.max_depth, limits.max_width, now)
                     posteriors[c].observe(ranks, cands)
+                    key = (c, depth, accepted)
+                    state.accept_counts[key] = state.accept_counts.get(key, 0) + 1
             if rid in active:
                 active.move_to_end(rid)
             active[rid] = ctx
@@ -252,10 +288,15 @@ class Controller:
         state.step_ms_ema = keep * state.step_ms_ema + LOAD_EMA * (draft_ms + verify_ms)
         state.last_step_id = step.step_id
         state.steps_ingested += 1
+        state.steps_total += 1
+        state.tokens_total += tokens
+        state.step_ms_total += draft_ms + verify_ms
         state.new_steps += 1
         state.last_report_at = now
         for hook in self.on_step:
             hook(state, step)
+        for hook in self.on_step_rows:
+            hook(state, step, rows)
 
     def finished(self, state: WorkerState, msg: worker_pb2.RequestFinished) -> plan_pb2.Rejection | None:
         try:
@@ -285,16 +326,18 @@ class Controller:
             return self.reject(state, Invalid(R.REJECT_REASON_UNKNOWN_PLAN, "ack",
                                               f"version={msg.version} nonce={msg.nonce!r} names no plan in flight"))
         del state.pending[msg.version]
+        state.acks += 1
         if sent.kind == "plan":
             state.acked_version = max(state.acked_version, msg.version)
         state.plan_push_ms.append((self.clock() - sent.sent_at) * 1000.0)
         return None
 
     def nack(self, state: WorkerState, msg: worker_pb2.Nack) -> plan_pb2.Rejection | None:
-        sent = state.pending.pop(msg.version, None)
-        if sent is None or sent.nonce != msg.nonce:
+        sent = state.pending.get(msg.version)
+        if sent is None or sent.nonce != msg.nonce:  # a wrong nonce leaves the plan in flight
             return self.reject(state, Invalid(R.REJECT_REASON_UNKNOWN_PLAN, "nack",
                                               f"version={msg.version} nonce={msg.nonce!r} names no plan in flight"))
+        del state.pending[msg.version]
         state.nacks += 1
         log.warning("worker %s refused plan %d: %s", state.worker_id, msg.version, msg.reason)
         return None
@@ -372,9 +415,10 @@ class Controller:
             nonce = secrets.token_hex(8)
             plan = plan_to_proto(draft.table, state.plan_version, nonce, self.policy.name, now,
                                  draft.expected_goodput_tok_s)
-            state.pending[plan.version] = SentPlan(plan.version, nonce, draft, now, "plan")
+            _track(state, SentPlan(plan.version, nonce, draft, now, "plan"))
             state.current = draft
             state.last_push_at = now
+            state.plans_pushed += 1
             out.append(plan)
         decisions = self._override_diff(state, draft, now)
         if decisions is not None:
@@ -414,8 +458,9 @@ class Controller:
             ],
             cleared=cleared,
         )
-        state.pending[msg.version] = SentPlan(msg.version, nonce, draft, now, "request_decisions")
+        _track(state, SentPlan(msg.version, nonce, draft, now, "request_decisions"))
         state.sent_overrides = wanted
+        state.decisions_pushed += 1
         return msg
 
     # ---------------------------------------------------------------- decide
@@ -490,6 +535,14 @@ class Controller:
             ws.plan.CopyFrom(plan_to_proto(state.current.table, state.acked_version or state.plan_version, "",
                                            self.policy.name, state.last_push_at, state.current.expected_goodput_tok_s))
         return ws
+
+
+def _track(state: WorkerState, sent: SentPlan) -> None:
+    """Await the ACK of ``sent``, forgetting the oldest plan in flight beyond ``MAX_PENDING``."""
+    pending = state.pending
+    pending[sent.version] = sent
+    while len(pending) > MAX_PENDING:
+        del pending[next(iter(pending))]  # versions are inserted in increasing order
 
 
 def _mean_context(state: WorkerState) -> float:

@@ -58,12 +58,26 @@ class CostParams:
         kv_bytes_per_token: float,
         params: float,
         overhead_ms: float = 1.0,
+        flops_efficiency: float = 0.4,
+        bandwidth_efficiency: float = 0.85,
     ) -> "CostParams":
-        """Roofline prior from a worker's hardware hints (zeros = unknown)."""
+        """Roofline prior from a worker's hardware hints (zeros = unknown).
+
+        Hints are nominal peaks; a serving engine reaches a fraction of them.
+        Decode-shaped GEMMs plus attention, norms and sampling achieve roughly
+        30-50 % of dense peak flops (``flops_efficiency``), and weight / KV
+        streaming 80-90 % of the HBM bandwidth (``bandwidth_efficiency``).
+        With peak flops the compute plane would look ~2.5x too cheap until
+        the first compute-bound steps arrive, and the first plans would send
+        maximal trees into batches that cannot afford them.
+        """
         if bandwidth_gb_s <= 0 or weight_bytes <= 0:
             return cls()
-        bytes_per_ms = bandwidth_gb_s * 1e6
-        flops_per_ms = peak_tflops * 1e9 if peak_tflops > 0 else 0.0
+        if not 0 < flops_efficiency <= 1 or not 0 < bandwidth_efficiency <= 1:
+            raise ValueError(f"efficiencies must lie in (0, 1], got flops_efficiency={flops_efficiency} "
+                             f"bandwidth_efficiency={bandwidth_efficiency}")
+        bytes_per_ms = bandwidth_gb_s * 1e6 * bandwidth_efficiency
+        flops_per_ms = peak_tflops * 1e9 * flops_efficiency if peak_tflops > 0 else 0.0
         return cls(
             mem_ms=overhead_ms + weight_bytes / bytes_per_ms,
             mem_ms_per_kv_token=kv_bytes_per_token / bytes_per_ms,

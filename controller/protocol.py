@@ -89,8 +89,9 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
     if depth == 0:
         if r.width or r.nodes:
             raise _bad(path, "nodes", f"width={r.width}, nodes={r.nodes} must be 0 when depth is 0", step_id)
-        if r.accepted_rank:
-            raise _bad(path, "accepted_rank", f"{list(r.accepted_rank)} must be empty when depth is 0", step_id)
+        for name in ("accepted_rank", "level_candidates", "draft_confidence"):
+            if getattr(r, name):
+                raise _bad(path, name, f"{list(getattr(r, name))[:8]} must be empty when depth is 0", step_id)
         return
     width = r.width
     if not 1 <= width <= limits.max_width:
@@ -104,6 +105,7 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
             raise _bad(path, "accepted_rank", "may be omitted only for a chain (width 1)", step_id)
         if cands:
             raise _bad(path, "level_candidates", "must be empty when accepted_rank is", step_id)
+        _check_confidence(r.draft_confidence, accepted + 1 if accepted < depth else depth, path, step_id)
         return
     if len(cands) != len(ranks):
         raise _bad(path, "level_candidates", f"has {len(cands)} entries, accepted_rank has {len(ranks)}", step_id)
@@ -121,13 +123,17 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
         elif rank != 0:
             raise _bad(path, f"accepted_rank[{i}]", f"{rank} must be 0 (position rejected: accepted={accepted})",
                        step_id)
-    confidence = r.draft_confidence
-    if confidence:
-        if len(confidence) != len(ranks):
-            raise _bad(path, "draft_confidence", f"has {len(confidence)} entries, expected 0 or {len(ranks)}", step_id)
-        for i, c in enumerate(confidence):
-            if not 0.0 <= c <= 1.0:
-                raise _bad(path, f"draft_confidence[{i}]", f"{c} must be in [0, 1]", step_id)
+    _check_confidence(r.draft_confidence, len(ranks), path, step_id)
+
+
+def _check_confidence(confidence, levels: int, path: str, step_id: int) -> None:
+    if not confidence:
+        return
+    if len(confidence) != levels:
+        raise _bad(path, "draft_confidence", f"has {len(confidence)} entries, expected 0 or {levels}", step_id)
+    for i, c in enumerate(confidence):
+        if not 0.0 <= c <= 1.0:
+            raise _bad(path, f"draft_confidence[{i}]", f"{c} must be in [0, 1]", step_id)
 
 
 # One validated request of a step: (request_id, context_len, depth, width,
@@ -164,9 +170,8 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
         # Fast path for the common shapes (off, or a chain with the τ shorthand);
         # anything else gets the full field-by-field check and its message.
         if rid and 0 <= ctx <= MAX_CONTEXT_LEN and 0 <= accepted <= depth <= max_depth and not ranks and (
-            (depth == 0 and width == 0 and nodes == 0)
-            or (depth > 0 and width == 1 and depth <= nodes <= max_nodes and not r.level_candidates)
-        ) and not r.draft_confidence:
+            (depth == 0 and width == 0 and nodes == 0) or (depth > 0 and width == 1 and depth <= nodes <= max_nodes)
+        ) and not r.level_candidates and not r.draft_confidence:
             rows.append((rid, ctx, depth, width, nodes, accepted, None, None))
             continue
         validate_request_step(r, limits, f"{path}.requests[{i}]", sid)
@@ -174,6 +179,12 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
             rows.append((rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates)))
         else:
             rows.append((rid, ctx, depth, width, nodes, accepted, None, None))
+    if len(rows) > 1 and len({row[0] for row in rows}) < len(rows):
+        seen: set[str] = set()
+        for j, row in enumerate(rows):
+            if row[0] in seen:
+                raise _bad(path, f"requests[{j}].request_id", f"{row[0]!r} appears twice in the step", sid)
+            seen.add(row[0])
     return rows
 
 
@@ -184,6 +195,8 @@ def validate_finished(f: worker_pb2.RequestFinished) -> None:
         _need(value >= 0, f"finished.{name}", f"{value} must be >= 0")
     _need(f.accepted_tokens <= f.generated_tokens, "finished.accepted_tokens",
           f"{f.accepted_tokens} exceeds generated_tokens {f.generated_tokens}")
+    _need(math.isfinite(f.timestamp) and f.timestamp >= 0, "finished.timestamp",
+          f"{f.timestamp} must be finite and >= 0")
 
 
 def decision_to_proto(d: Decision) -> plan_pb2.Decision:

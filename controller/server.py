@@ -1,7 +1,8 @@
 """``specctl serve``: the controller as a grpc.aio server.
 
 Health checking and server reflection are on; the policy file is watched
-and reloaded on change or SIGHUP.
+and reloaded on change or SIGHUP. The drift monitor runs in the housekeeping
+tick (``controller.alerting``); SIGTERM stops gracefully, saving its baselines.
 """
 
 from __future__ import annotations
@@ -11,17 +12,21 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from controller.config import ServerConfig
+from controller.alerting import DriftAlerting
+from controller.auth import Authenticator
+from controller.config import ServerConfig, TlsSettings
 from controller.core import Controller
 from controller.recorder import TelemetryRecorder
 from controller.reload import PolicySource
 from controller.service import SERVICE_NAME, SpeculationControllerServicer, rpc_handlers
+from controller.web import StatusSite
 from policies.presets import load_preset
 
 log = logging.getLogger("specctl.server")
@@ -36,6 +41,8 @@ class RunningServer:
     port: int
     tasks: list[asyncio.Task] = field(default_factory=list)
     recorder: TelemetryRecorder | None = None
+    status_site: StatusSite | None = None  # /metrics and the status page (metrics_listen)
+    alerting: DriftAlerting | None = None  # drift monitor, alert store and sinks (drift.enabled)
 
     @property
     def address(self) -> str:
@@ -44,7 +51,13 @@ class RunningServer:
     async def stop(self, grace: float | None = 0.5) -> None:
         for task in self.tasks:
             task.cancel()
+        if self.status_site is not None:
+            await self.status_site.stop()
+        if self.alerting is not None:
+            await self.alerting.finish_watches()  # they end cleanly now rather than hold the grace period
         await self.server.stop(grace)
+        if self.alerting is not None:
+            await self.alerting.close()
         if self.recorder is not None:
             self.recorder.close()
 
@@ -53,9 +66,16 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
     """Start serving on ``listen`` (``host:0`` picks a free port)."""
     policy = load_preset(config.policy)
     controller = Controller(config, policy, clock=clock)
-    servicer = SpeculationControllerServicer(controller)
+    servicer = SpeculationControllerServicer(controller, Authenticator(config.security.auth))
     recorder = TelemetryRecorder(config.record, clock=clock) if config.record else None
     servicer.recorder = recorder
+    alerting = DriftAlerting.from_config(config, clock=clock) if config.drift.enabled else None
+    if alerting is not None:
+        alerting.attach(controller)
+    servicer.alerting = alerting
+    # Made before any worker can connect, so it sees every Hello.
+    site = StatusSite(controller, config.status_history_samples, alerting, config.status_sample_interval_s,
+                      config.metrics_plan_cells) if config.metrics_listen else None
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((rpc_handlers(servicer),))
     health = HealthServicer()
@@ -63,13 +83,23 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(listen or config.listen)
+    tls = config.security.tls
+    if tls is not None:
+        port = server.add_secure_port(listen or config.listen, server_credentials(tls))
+    else:
+        if config.security.auth is not None:
+            log.warning("bearer tokens are on without TLS: they cross the network in plaintext")
+        port = server.add_insecure_port(listen or config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen or config.listen}")
+    if site is not None:
+        await site.start(config.metrics_listen)
     await server.start()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     source = PolicySource(controller, config.policy)
-    running = RunningServer(server, controller, servicer, source, port, recorder=recorder)
+    servicer.policy_source = source
+    running = RunningServer(server, controller, servicer, source, port, recorder=recorder, status_site=site,
+                            alerting=alerting)
     running.tasks.append(asyncio.create_task(_housekeeping(running, config.policy_poll_interval_s)))
     try:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, source.reload)
@@ -79,8 +109,17 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
     return running
 
 
+def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
+    """TLS credentials from the config's files (read at start: a rotated certificate needs a restart)."""
+    return grpc.ssl_server_credentials(
+        [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())],
+        root_certificates=Path(tls.client_ca_file).read_bytes() if tls.client_ca_file else None,
+        require_client_auth=tls.require_client_cert,
+    )
+
+
 async def _housekeeping(running: RunningServer, poll_interval_s: float) -> None:
-    """Watch the policy file; run due policies and push plans within a CPU budget."""
+    """Watch the policy file; sample the status history; run due policies and push plans within a CPU budget."""
     plan = running.controller.config.plan
     last_poll = time.monotonic()  # PolicySource read the file at start
     while True:
@@ -89,16 +128,29 @@ async def _housekeeping(running: RunningServer, poll_interval_s: float) -> None:
         if now - last_poll >= poll_interval_s:
             last_poll = now
             running.policy_source.poll()
+        if running.status_site is not None:
+            running.status_site.tick(plan.tick_s)
         await running.servicer.push_due_plans(plan.tick_s * plan.policy_cpu_fraction)
+        if running.alerting is not None:
+            running.alerting.tick(plan.tick_s)
 
 
 async def serve_forever(config: ServerConfig, listen: str | None = None) -> None:
     running = await start_server(config, listen)
     print(f"specctl controller listening on {listen or config.listen} (policy {running.controller.policy.name})"
-          + (f", recording telemetry to {config.record}" if config.record else ""), flush=True)
+          + (f", recording telemetry to {config.record}" if config.record else "")
+          + (f", drift alerts stored in {config.store.path or 'memory'}" if running.alerting else ""), flush=True)
+    if running.status_site is not None:
+        host = config.metrics_listen.rpartition(":")[0] or "0.0.0.0"
+        print(f"status page http://{host}:{running.status_site.http.port}/ (metrics at /metrics)", flush=True)
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM,
+                                                      lambda: asyncio.ensure_future(running.server.stop(1.0)))
+    except (RuntimeError, ValueError, NotImplementedError):
+        pass
     try:
         await running.server.wait_for_termination()
     finally:
-        if running.recorder is not None:
-            # Stop serving first so nothing is recorded after the file is closed.
-            await running.stop(0)
+        # Stop serving first so nothing is recorded after the recording closes,
+        # then the drift baselines are saved and the store closed.
+        await running.stop(0)

@@ -16,6 +16,9 @@ from typing import AsyncIterator
 
 import grpc
 
+from controller.alerting import WatcherOverflow
+from controller.alerts_proto import EXISTING_ALERTS_METADATA, alert_to_proto
+from controller.auth import Authenticator, AuthError, Identity, current_identity, guard_handlers
 from controller.core import Controller, WorkerState
 from controller.protocol import Invalid, R, decision_to_proto
 from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
@@ -54,6 +57,7 @@ class Stream:
         self.state = state
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
         self.dropped = 0
+        self.denied: AuthError | None = None  # set when a later Hello named another worker
 
     def send(self, msg: plan_pb2.ControllerMessage | None) -> None:
         while True:
@@ -74,11 +78,15 @@ def wrap(item) -> plan_pb2.ControllerMessage:
 
 
 class SpeculationControllerServicer:
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, authenticator: Authenticator | None = None) -> None:
         self.controller = controller
+        self.auth = authenticator or Authenticator(None)  # off unless the config has security.auth
         self.streams: dict[str, Stream] = {}
         self.recorder = None  # controller.recorder.TelemetryRecorder when serving with --record
+        self.alerting = None  # controller.alerting.DriftAlerting unless drift.enabled is false
+        self.policy_source = None  # controller.reload.PolicySource of the server
         self._next_stream = 0
+        controller.on_hello.append(self._rebind_stream)
 
     # ------------------------------------------------------------- Connect
     async def Connect(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
@@ -91,6 +99,10 @@ class SpeculationControllerServicer:
             what = first.error if isinstance(first, Malformed) else f"got {first.WhichOneof('payload')}"
             ctl.rejections[reason] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first message must be a hello ({what})")
+        identity = current_identity()
+        denied = self.auth.check_worker(identity, first.hello.worker_id)
+        if denied is not None:
+            await context.abort(denied.code, denied.message)
         if self.recorder is not None:
             self.recorder.hello(first.hello)
         try:
@@ -102,7 +114,7 @@ class SpeculationControllerServicer:
         if previous is not None:
             previous.send(None)  # a reconnect supersedes the old stream
         self.streams[state.worker_id] = stream
-        reader = asyncio.create_task(self._read(request_iterator, stream))
+        reader = asyncio.create_task(self._read(request_iterator, stream, identity))
         try:
             self._push_plans(stream)
             while True:
@@ -110,17 +122,22 @@ class SpeculationControllerServicer:
                 if item is None:
                     break
                 yield item
+            if stream.denied is not None:
+                await context.abort(stream.denied.code, stream.denied.message)
         finally:
             reader.cancel()
             if self.streams.get(state.worker_id) is stream:
                 del self.streams[state.worker_id]
-                ctl.disconnect(state)
+                ctl.disconnect(stream.state)
 
-    async def _read(self, request_iterator: AsyncIterator, stream: Stream) -> None:
-        state = stream.state
+    async def _read(self, request_iterator: AsyncIterator, stream: Stream, identity: Identity | None) -> None:
         try:
             async for msg in request_iterator:
-                for rejection in self.handle(state, msg):
+                if not isinstance(msg, Malformed) and msg.WhichOneof("payload") == "hello":
+                    stream.denied = self.auth.check_worker(identity, msg.hello.worker_id)
+                    if stream.denied is not None:
+                        break  # nothing more of this stream is applied
+                for rejection in self.handle(stream.state, msg):
                     stream.send(wrap(rejection))
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
@@ -142,6 +159,10 @@ class SpeculationControllerServicer:
             rejection = ctl.ack(state, msg.ack)
         elif kind == "nack":
             rejection = ctl.nack(state, msg.nack)
+        elif kind == "hello" and msg.hello.worker_id != state.worker_id:
+            rejection = ctl.reject(state, Invalid(R.REJECT_REASON_INVALID_FIELD, "hello.worker_id",
+                                                  f"{msg.hello.worker_id!r} differs from this stream's worker "
+                                                  f"{state.worker_id!r}"))
         elif kind == "hello":
             try:
                 ctl.hello(msg.hello)
@@ -151,6 +172,13 @@ class SpeculationControllerServicer:
         else:
             rejection = ctl.reject(state, Invalid(R.REJECT_REASON_MALFORMED, "payload", "empty WorkerMessage"))
         return [rejection] if rejection is not None else []
+
+    def _rebind_stream(self, state: WorkerState) -> None:
+        """A Hello with new drafter limits (on the stream or through Decide)
+        registers a new state: the worker's open stream follows it."""
+        stream = self.streams.get(state.worker_id)
+        if stream is not None:
+            stream.state = state
 
     def _record(self, worker_id: str, kind: str | None, msg) -> None:
         if kind == "reports":
@@ -192,6 +220,9 @@ class SpeculationControllerServicer:
         if isinstance(request, Malformed):
             ctl.rejections[R.REJECT_REASON_MALFORMED] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed DecideRequest: {request.error}")
+        denied = self.auth.check_worker(current_identity(), request.worker_id)
+        if denied is not None:
+            await context.abort(denied.code, denied.message)
         if not request.worker_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id: must be a non-empty string")
         if request.HasField("hello"):
@@ -231,6 +262,50 @@ class SpeculationControllerServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GetStatusRequest: {request.error}")
         return self.controller.status(request.worker_id)
 
+    # -------------------------------------------------------------- alerts
+    async def WatchAlerts(self, request, context: grpc.aio.ServicerContext):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed WatchAlertsRequest: {request.error}")
+        alerting = await self._alerting(context)
+        watcher = alerting.watch(request.drafter_version)
+        try:
+            existing = await alerting.existing(request.include_history, request.open_only, request.drafter_version)
+            await context.send_initial_metadata(((EXISTING_ALERTS_METADATA, str(len(existing))),))
+            for alert in existing:
+                yield alert_to_proto(alert, "existing")
+            while (msg := await watcher.get()) is not None:
+                yield msg
+        except WatcherOverflow as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}: watch again to resynchronise")
+        finally:
+            alerting.unwatch(watcher)
+
+    async def AckAlert(self, request, context: grpc.aio.ServicerContext) -> controller_pb2.AckAlertResponse:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed AckAlertRequest: {request.error}")
+        if not request.alert_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "alert_id: must be a non-empty string")
+        alerting = await self._alerting(context)
+        alert = await alerting.acknowledge(request.alert_id, request.acked_by)
+        if alert is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"alert_id={request.alert_id!r}: no such alert")
+        return controller_pb2.AckAlertResponse(alert=alert_to_proto(alert, "acknowledged"))
+
+    async def ReloadPolicy(self, request, context: grpc.aio.ServicerContext) -> controller_pb2.ReloadPolicyResponse:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ReloadPolicyRequest: {request.error}")
+        source = self.policy_source
+        if source is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this controller has no policy file to reload")
+        loaded = source.reload()
+        return controller_pb2.ReloadPolicyResponse(loaded=loaded, policy=self.controller.policy.name,
+                                                   error="" if loaded else source.last_error)
+
+    async def _alerting(self, context: grpc.aio.ServicerContext):
+        if self.alerting is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the drift monitor is off (drift.enabled: false)")
+        return self.alerting
+
 
 async def _next(iterator: AsyncIterator):
     try:
@@ -256,5 +331,20 @@ def rpc_handlers(servicer: SpeculationControllerServicer) -> grpc.GenericRpcHand
             request_deserializer=lenient_parser(controller_pb2.GetStatusRequest),
             response_serializer=controller_pb2.GetStatusResponse.SerializeToString,
         ),
+        "WatchAlerts": grpc.unary_stream_rpc_method_handler(
+            servicer.WatchAlerts,
+            request_deserializer=lenient_parser(controller_pb2.WatchAlertsRequest),
+            response_serializer=controller_pb2.DriftAlert.SerializeToString,
+        ),
+        "AckAlert": grpc.unary_unary_rpc_method_handler(
+            servicer.AckAlert,
+            request_deserializer=lenient_parser(controller_pb2.AckAlertRequest),
+            response_serializer=controller_pb2.AckAlertResponse.SerializeToString,
+        ),
+        "ReloadPolicy": grpc.unary_unary_rpc_method_handler(
+            servicer.ReloadPolicy,
+            request_deserializer=lenient_parser(controller_pb2.ReloadPolicyRequest),
+            response_serializer=controller_pb2.ReloadPolicyResponse.SerializeToString,
+        ),
     }
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, guard_handlers(handlers, servicer.auth))

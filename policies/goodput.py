@@ -87,12 +87,60 @@ def best_first_nodes(rank_probs: np.ndarray, max_depth: int, max_width: int, max
     >>> [round(float(v), 2) for v in nodes.values], nodes.decision(2)
     ([0.6, 0.3, 0.3, 0.15], Decision(depth=1, width=2, max_nodes=2))
     """
+    values, levels, parents = _expand(rank_probs, max_depth, max_width, max_nodes, single_cap=True)
+    return _node_list(values, levels, parents)
+
+
+def capped_node_lists(rank_probs: np.ndarray, max_depth: int, max_width: int, max_nodes: int) -> list[NodeList]:
+    """``[best_first_nodes(rank_probs, cap, max_width, max_nodes) for cap in 1..max_depth]``
+    from one expansion.
+
+    Best-first expansion emits nodes in non-increasing value order, and a
+    node within a depth cap has all its ancestors within it, so a capped
+    list is the uncapped order restricted to levels ``<= cap``. The shared
+    expansion stops opening a level once every cap that includes it holds
+    ``max_nodes`` nodes, and skips nodes worth less than
+    :data:`MIN_NODE_VALUE` (accepted too rarely to pay for their
+    verification), so the lists are exact above that value.
+    """
+    depth = min(max_depth, rank_probs.shape[0])
+    if depth <= 0 or max_nodes <= 0:
+        return [_node_list([], [], [])] * max(max_depth, 1)
+    values, levels, parents = _expand(rank_probs, depth, max_width, max_nodes, single_cap=False)
+    levels_a = np.asarray(levels, dtype=np.int64)
+    out: list[NodeList] = []
+    for cap in range(1, depth + 1):
+        keep = np.flatnonzero(levels_a <= cap)[:max_nodes]
+        if out and int(levels_a[keep].max(initial=0)) < cap:
+            out.append(out[-1])  # nothing at this level: the same list as the cap above
+            continue
+        renumber = {int(old): new for new, old in enumerate(keep)}
+        out.append(_node_list([values[i] for i in keep], levels_a[keep], [renumber.get(parents[i], -1) for i in keep]))
+    return out + [out[-1]] * (max_depth - depth)
+
+
+MIN_NODE_VALUE = 1e-3  # a node accepted less often than this never pays for its verification
+MAX_EXPANSION = 4096  # nodes one shared expansion may emit (a bound; the lists need far fewer)
+
+
+def _expand(rank_probs: np.ndarray, max_depth: int, max_width: int, max_nodes: int,
+            single_cap: bool) -> tuple[list[float], list[int], list[int]]:
+    """(values, levels 1.., parent index or -1) of best-first nodes, in emission order.
+
+    ``single_cap``: the first ``max_nodes`` nodes within ``max_depth``.
+    Otherwise every cap ``1..max_depth`` needs its first ``max_nodes`` nodes:
+    ``open_to`` is the deepest cap still short of them, and deeper nodes are
+    neither emitted nor expanded.
+    """
     depth_cap = min(max_depth, rank_probs.shape[0])
     width_cap = min(max_width, rank_probs.shape[1])
+    probs = rank_probs.tolist()
+    min_value = 0.0 if single_cap else MIN_NODE_VALUE
     values: list[float] = []
-    depth = [0]
-    width = [0]
-    children: dict[int, int] = {}  # node id -> children taken so far (-1 = root)
+    levels: list[int] = []
+    parents: list[int] = []
+    within = [0] * (depth_cap + 1)  # within[L]: nodes emitted at levels <= L
+    open_to = depth_cap
     # Heap of (-value, tiebreak, level, rank, parent id); ranks of one parent are
     # pushed lazily: a parent's rank r+1 child enters once rank r is taken.
     heap: list[tuple[float, int, int, int, int]] = []
@@ -100,23 +148,45 @@ def best_first_nodes(rank_probs: np.ndarray, max_depth: int, max_width: int, max
 
     def push(value: float, level: int, rank: int, parent: int) -> None:
         nonlocal counter
-        if level < depth_cap and rank < width_cap and value > 0:
-            heapq.heappush(heap, (-value * rank_probs[level, rank], counter, level, rank, parent))
-            counter += 1
+        if level < open_to and rank < width_cap:
+            child = value * probs[level][rank]
+            if child > min_value:
+                heapq.heappush(heap, (-child, counter, level, rank, parent))
+                counter += 1
 
-    parent_value: dict[int, float] = {-1: 1.0}
     push(1.0, 0, 0, -1)
-    while heap and len(values) < max_nodes:
+    limit = max_nodes if single_cap else MAX_EXPANSION
+    while heap and len(values) < limit and open_to > 0:
         neg, _, level, rank, parent = heapq.heappop(heap)
+        if level >= open_to:
+            continue  # every cap this node belongs to is full
         node = len(values)
         values.append(-neg)
-        parent_value[node] = -neg
-        children[parent] = children.get(parent, 0) + 1
-        depth.append(max(depth[-1], level + 1))
-        width.append(max(width[-1], children[parent]))
-        push(parent_value[parent], level, rank + 1, parent)  # next sibling
+        levels.append(level + 1)
+        parents.append(parent)
+        push(values[parent] if parent >= 0 else 1.0, level, rank + 1, parent)  # next sibling
         push(-neg, level + 1, 0, node)  # first child
-    return NodeList(np.asarray(values), np.asarray(depth), np.asarray(width))
+        if not single_cap:
+            for cap in range(level + 1, depth_cap + 1):
+                within[cap] += 1
+            while open_to > 0 and within[open_to] >= max_nodes:
+                open_to -= 1
+    return values, levels, parents
+
+
+def _node_list(values, levels, parents) -> NodeList:
+    """Prefix shapes of a best-first node sequence."""
+    n = len(values)
+    depth = np.zeros(n + 1, dtype=np.int64)
+    width = np.zeros(n + 1, dtype=np.int64)
+    children: dict[int, int] = {}
+    d = w = 0
+    for i in range(n):
+        d = max(d, int(levels[i]))
+        c = children[parents[i]] = children.get(parents[i], 0) + 1
+        w = max(w, c)
+        depth[i + 1], width[i + 1] = d, w
+    return NodeList(np.asarray(values, dtype=np.float64), depth, width)
 
 
 @dataclass(frozen=True)
@@ -157,6 +227,28 @@ def expected_max_depth(depths: np.ndarray, shares: np.ndarray, batch: float) -> 
     return out
 
 
+def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost) -> np.ndarray:
+    """Expected tokens per second of a batch made of ``groups`` when group ``g``
+    drafts the first ``taken[..., g]`` nodes of its list (``[..., groups]`` in,
+    ``[...]`` out): ``Σ E[τ + 1] / (T_verify + T_draft)`` under ``cost``."""
+    counts = np.array([g.count for g in groups], dtype=np.float64)
+    contexts = np.array([g.context_len for g in groups], dtype=np.float64)
+    batch = float(counts.sum())
+    taken = np.asarray(taken, dtype=np.int64)
+    gained = np.zeros(taken.shape[:-1])
+    depths = np.zeros(taken.shape, dtype=np.int64)
+    for i, g in enumerate(groups):
+        cumulative = np.concatenate([[0.0], np.cumsum(g.nodes.values)])
+        gained = gained + counts[i] * cumulative[taken[..., i]]
+        depths[..., i] = g.nodes.depth[taken[..., i]]
+    extra = taken @ counts  # draft nodes in the batch
+    levels = expected_max_depth(depths, counts / batch, batch)
+    level_kv = depths @ (counts * contexts)
+    kv = float(counts @ contexts)
+    step_ms = cost.verify_ms(batch + extra, kv) + cost.draft_ms(levels, extra, batch, level_kv)
+    return (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0
+
+
 def allocate(groups: Sequence[BatchGroup], cost, min_gain: float = 0.0) -> Allocation:
     """TETRIS-style allocation: best prefix of all nodes ranked by value.
 
@@ -166,26 +258,16 @@ def allocate(groups: Sequence[BatchGroup], cost, min_gain: float = 0.0) -> Alloc
     """
     live = [i for i, g in enumerate(groups) if g.count > 0]
     groups_live = [groups[i] for i in live]
-    batch = sum(g.count for g in groups_live)
-    kv = sum(g.count * g.context_len for g in groups_live)
-    counts = np.array([g.count for g in groups_live])
     if not groups_live:
         return Allocation((0,) * len(groups), 0.0, 0.0)
     values = np.concatenate([g.nodes.values for g in groups_live])
     group_of = np.concatenate([np.full(len(g.nodes.values), i) for i, g in enumerate(groups_live)]).astype(int)
     order = np.lexsort((np.arange(len(values)), -values))  # by value, stable within a group
-    weight = counts[group_of[order]]  # [candidates]: requests each candidate stands for
-    gained = np.concatenate([[0.0], np.cumsum(weight * values[order])])  # [candidates + 1]
-    extra = np.concatenate([[0.0], np.cumsum(weight)])
     # taken[p, g]: nodes group g holds in prefix p.  # [candidates + 1, groups]
-    onehot = np.zeros((len(order), len(groups_live)), dtype=int)
+    onehot = np.zeros((len(order), len(groups_live)), dtype=np.int64)
     onehot[np.arange(len(order)), group_of[order]] = 1
-    taken = np.vstack([np.zeros((1, len(groups_live)), dtype=int), np.cumsum(onehot, axis=0)])
-    depths = np.stack([g.nodes.depth[taken[:, i]] for i, g in enumerate(groups_live)], axis=1)
-    levels = expected_max_depth(depths, counts / batch, batch)
-    level_kv = depths @ (counts * np.array([g.context_len for g in groups_live]))  # [candidates + 1]
-    step_ms = cost.verify_ms(batch + extra, kv) + cost.draft_ms(levels, extra, batch, level_kv)
-    goodput = (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0  # tokens per second
+    taken = np.vstack([np.zeros((1, len(groups_live)), dtype=np.int64), np.cumsum(onehot, axis=0)])
+    goodput = step_goodput(groups_live, taken, cost)
     best = int(np.argmax(goodput))
     if goodput[best] < goodput[0] * (1.0 + min_gain):
         best = 0
@@ -226,26 +308,27 @@ def observed_mix(obs: Observation) -> tuple[np.ndarray, np.ndarray]:
     return share / share.sum(), means
 
 
+def mix_groups(obs: Observation, batch: float, node_lists: Sequence[NodeList],
+               buckets: Sequence[int]) -> list[BatchGroup]:
+    """A representative batch of ``batch`` requests drawn from the observed context
+    mix: one group per bucket in ``buckets``, with that bucket's node list."""
+    share, means = observed_mix(obs)
+    return [BatchGroup(batch * share[c], means[c], node_lists[c]) for c in buckets]
+
+
 def table_goodput(table: DecisionTable, obs: Observation) -> float:
     """Estimated tokens per second of ``table`` at the worker's current load
     (a batch of the mean batch size drawn from the observed context mix)."""
     batch = max(1.0, obs.load.mean_batch_size)
-    share, means = observed_mix(obs)
-    tokens, nodes_total, level_kv = batch, 0.0, 0.0
-    depths = np.zeros(len(share))
-    for c in np.flatnonzero(share):
+    share, _ = observed_mix(obs)
+    buckets = [int(c) for c in np.flatnonzero(share)]
+    lists = {}
+    for c in buckets:
         d = table.lookup(max(1, round(batch)), obs.context_edges[c])
-        if d.depth == 0:
-            continue
-        nodes = best_first_nodes(obs.acceptance.rank_probs(c), d.depth, d.width, d.max_nodes)
-        tokens += batch * share[c] * nodes.expected_accepted(d.max_nodes)
-        nodes_total += batch * share[c] * len(nodes.values)
-        depths[c] = nodes.depth[-1]
-        level_kv += batch * share[c] * depths[c] * means[c]
-    kv = batch * float(np.dot(share, means))
-    levels = expected_max_depth(depths, share, batch)
-    step_ms = obs.cost.verify_ms(batch + nodes_total, kv) + obs.cost.draft_ms(levels, nodes_total, batch, level_kv)
-    return 1000.0 * tokens / max(float(step_ms), 1e-9)
+        lists[c] = best_first_nodes(obs.acceptance.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0)
+    groups = mix_groups(obs, batch, lists, buckets)
+    taken = np.array([len(g.nodes.values) for g in groups])
+    return float(step_goodput(groups, taken, obs.cost))
 
 
 class GoodputPolicy(Policy[GoodputConfig]):
@@ -265,20 +348,35 @@ class GoodputPolicy(Policy[GoodputConfig]):
         nodes = min(cfg.max_nodes or d.max_tree_nodes, d.max_tree_nodes)
         return depth, width, nodes
 
-    def solve_row(self, obs: Observation, node_lists: Sequence[NodeList], batch_bucket: int) -> tuple[list[int], float]:
-        """Nodes per request for every context bucket at one batch size.
+    def solve_row(self, obs: Observation, lists_by_cap: Sequence[Sequence[NodeList]],
+                  batch_bucket: int, batch: float | None = None) -> tuple[int, list[int], float]:
+        """Depth cap and nodes per request for every context bucket at one batch size
+        (``batch``; default: the bucket's representative size).
 
-        Buckets carrying traffic share one TETRIS allocation on a
-        representative batch. The others would join that batch as a few
-        requests, so they take every node whose value beats the batch's
-        marginal price: a node of value ``v`` costing ``δ`` ms raises the
-        goodput ``G = tokens / T`` iff ``v > G · δ``.
+        ``lists_by_cap[L - 1][c]``: bucket ``c``'s best-first nodes within depth
+        ``L``. For every cap, buckets carrying traffic share one TETRIS
+        allocation on a representative batch; the cap with the best goodput
+        wins. A draft level is one forward for the whole batch, so whether to
+        open it is decided per cap: a value-ordered prefix would otherwise buy
+        one deep node with a whole level's draft time. The other buckets
+        would join that batch as a few requests, so they take every node of
+        the winning cap whose value beats the batch's marginal price: a node
+        of value ``v`` costing ``δ`` ms raises the goodput ``G = tokens / T``
+        iff ``v > G · δ``. Returns (cap, nodes per bucket, goodput).
         """
-        share, means = observed_mix(obs)
-        batch = representative_batch_size(obs.batch_edges, batch_bucket)
-        served = [c for c in range(len(node_lists)) if share[c] >= self.config.min_share]
-        groups = [BatchGroup(batch * share[c], means[c], node_lists[c]) for c in served]
-        allocation = allocate(groups, obs.cost, self.config.min_gain)
+        share, _ = observed_mix(obs)
+        if batch is None:
+            batch = representative_batch_size(obs.batch_edges, batch_bucket)
+        served = [c for c in range(len(share)) if share[c] >= self.config.min_share]
+        best: tuple[int, Allocation, list[BatchGroup]] | None = None
+        for cap, node_lists in enumerate(lists_by_cap, start=1):
+            if cap > 1 and node_lists is lists_by_cap[cap - 2]:
+                continue  # no bucket has a node at this level: same as the cap above
+            groups = mix_groups(obs, batch, node_lists, served)
+            allocation = allocate(groups, obs.cost, self.config.min_gain)
+            if best is None or allocation.goodput_tok_s > best[1].goodput_tok_s:
+                best = (cap, allocation, groups)
+        cap, allocation, groups = best
         nodes = dict(zip(served, allocation.nodes_per_group))
         batch_tokens = batch + sum(g.count * nodes[c] for g, c in zip(groups, served))
         kv = sum(g.count * g.context_len for g in groups)
@@ -288,44 +386,59 @@ class GoodputPolicy(Policy[GoodputConfig]):
         verify_step = float(obs.cost.verify_ms(batch_tokens + span, kv) - obs.cost.verify_ms(batch_tokens, kv)) / span
         node_ms = verify_step + float(obs.cost.draft_ms(0, 1, batch) - obs.cost.draft_ms(0, 0, batch))
         price = allocation.goodput_tok_s / 1000.0 * node_ms * (1.0 + self.config.min_gain)
-        for c in range(len(node_lists)):
+        chosen = lists_by_cap[cap - 1]
+        for c in range(len(chosen)):
             if c not in nodes:
-                nodes[c] = int(np.count_nonzero(node_lists[c].values > price))
-        return [nodes[c] for c in range(len(node_lists))], allocation.goodput_tok_s
+                nodes[c] = int(np.count_nonzero(chosen[c].values > price))
+        return cap, [nodes[c] for c in range(len(chosen))], allocation.goodput_tok_s
+
+    def node_lists(self, obs: Observation, rank_probs: Sequence[np.ndarray]) -> list[list[NodeList]]:
+        """``[cap - 1][bucket]`` best-first node lists within the limits, one expansion per bucket;
+        a cap whose lists equal the one above is that same list object."""
+        depth, width, nodes = self.limits(obs)
+        per_bucket = [capped_node_lists(q, depth, width, nodes) for q in rank_probs]
+        out: list[list[NodeList]] = []
+        for cap in range(depth):
+            lists = [b[cap] for b in per_bucket]
+            same = out and all(x is y for x, y in zip(lists, out[-1]))
+            out.append(out[-1] if same else lists)
+        return out
 
     def decide(self, state: tuple[int, int], obs: Observation) -> tuple[PlanDraft, tuple[int, int]]:
         seed, calls = state
-        depth, width, nodes = self.limits(obs)
         contexts = range(len(obs.context_edges))
-        mean_nodes = [best_first_nodes(obs.acceptance.rank_probs(c), depth, width, nodes) for c in contexts]
+        lists_by_cap = self.node_lists(obs, [obs.acceptance.rank_probs(c) for c in contexts])
+        # The row holding today's mean batch is solved at that batch itself: it is
+        # where the worker runs, and a bucket's representative size may sit on the
+        # other side of the roofline's kink.
+        current = bucket_index(obs.batch_edges, max(1, round(obs.load.mean_batch_size)))
         rows, goodputs = [], []
         for b in range(len(obs.batch_edges)):
-            nodes_per_bucket, goodput = self.solve_row(obs, mean_nodes, b)
-            rows.append([mean_nodes[c].decision(m) for c, m in enumerate(nodes_per_bucket)])
+            batch = max(1.0, obs.load.mean_batch_size) if b == current else None
+            cap, nodes_per_bucket, goodput = self.solve_row(obs, lists_by_cap, b, batch)
+            rows.append([lists_by_cap[cap - 1][c].decision(m) for c, m in enumerate(nodes_per_bucket)])
             goodputs.append(goodput)
         table = DecisionTable.from_rows(rows, obs.batch_edges, obs.context_edges)
-        current = bucket_index(obs.batch_edges, max(1, round(obs.load.mean_batch_size)))
-        overrides, reasons = self.explore(obs, table, np.random.default_rng([seed, calls]), depth, width, nodes)
+        overrides, reasons = self.explore(obs, table, np.random.default_rng([seed, calls]))
         plan = PlanDraft(table, overrides, goodputs[current], reasons)
         return plan, (seed, calls + 1)
 
-    def explore(self, obs: Observation, table: DecisionTable, rng: np.random.Generator,
-                depth: int, width: int, nodes: int) -> tuple[dict[str, Decision], dict[str, str]]:
+    def explore(self, obs: Observation, table: DecisionTable,
+                rng: np.random.Generator) -> tuple[dict[str, Decision], dict[str, str]]:
         """Thompson sampling on the probe slice of the active requests."""
         threshold = int(self.config.probe_fraction * 10_000)
         probes = [rid for rid in obs.active_requests if zlib.crc32(rid.encode()) % 10_000 < threshold]
         if not probes:
             return {}, {}
-        batch_bucket = bucket_index(obs.batch_edges, max(1, len(obs.active_requests)))
-        sampled = [
-            best_first_nodes(obs.acceptance.sample_rank_probs(c, rng), depth, width, nodes)
-            for c in range(len(obs.context_edges))
-        ]
-        nodes_per_bucket, _ = self.solve_row(obs, sampled, batch_bucket)
+        batch = max(1, len(obs.active_requests))
+        batch_bucket = bucket_index(obs.batch_edges, batch)
+        sampled = [obs.acceptance.sample_rank_probs(c, rng) for c in range(len(obs.context_edges))]
+        lists_by_cap = self.node_lists(obs, sampled)
+        cap, nodes_per_bucket, _ = self.solve_row(obs, lists_by_cap, batch_bucket, float(batch))
         overrides, reasons = {}, {}
         for rid in probes:
             c = bucket_index(obs.context_edges, obs.active_requests[rid])
-            decision = sampled[c].decision(nodes_per_bucket[c])
+            decision = lists_by_cap[cap - 1][c].decision(nodes_per_bucket[c])
             if decision != table.cell(batch_bucket, c):
                 overrides[rid] = decision
                 reasons[rid] = "explore"

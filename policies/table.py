@@ -125,6 +125,11 @@ class DecisionTable:
         c = bucket_index(self.context_edges, context_len)
         return self.decisions[b * len(self.context_edges) + c]
 
+    def clamped(self, max_depth: int, max_width: int, max_nodes: int) -> "DecisionTable":
+        """The same table with every decision clamped to a drafter's limits."""
+        return DecisionTable(self.batch_edges, self.context_edges,
+                             tuple(d.clamp(max_depth, max_width, max_nodes) for d in self.decisions))
+
     def row(self, batch_bucket: int) -> tuple[Decision, ...]:
         n = len(self.context_edges)
         return self.decisions[batch_bucket * n : (batch_bucket + 1) * n]

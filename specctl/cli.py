@@ -21,10 +21,24 @@ def _serve(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"policy": args.policy})
     if args.record:
         config = config.model_copy(update={"record": args.record})
+    if args.metrics_listen:
+        from controller.http import parse_host_port
+
+        try:
+            parse_host_port(args.metrics_listen, "--metrics-listen")
+        except ValueError as err:
+            print(f"specctl serve: {err}", file=sys.stderr)
+            return 2
+        config = config.model_copy(update={"metrics_listen": args.metrics_listen})
+    from controller.store import StoreError
+
     try:
         asyncio.run(serve_forever(config, args.listen))
     except KeyboardInterrupt:
         pass
+    except StoreError as err:
+        print(f"specctl serve: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -61,6 +75,15 @@ def _bench(args: argparse.Namespace) -> int:
         from bench.drift import run_drift_bench
 
         return run_drift_bench(out_dir=args.out)
+    if args.what == "faults":
+        from bench.faults import run_faults_bench
+
+        return run_faults_bench(out_dir=args.out, workers=args.healthy_workers, phase_s=args.phase_s,
+                                rounds=args.rounds)
+    if args.what == "soak":
+        from bench.soak import run_soak_bench
+
+        return run_soak_bench(out_dir=args.out, workers=args.soak_workers, requests=args.requests)
     if args.what == "engine":
         from worker.cli import bench_engine
 
@@ -84,8 +107,14 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from specctl.status import print_status
+    from specctl.tokens import ClientSecurity, ClientSecurityError
 
-    return print_status(args.controller, args.worker)
+    try:
+        security = ClientSecurity.from_args(args)
+    except ClientSecurityError as err:
+        print(f"specctl status: {err}", file=sys.stderr)
+        return 2
+    return print_status(args.controller, args.worker, security)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", help="HOST:PORT, overrides the config's listen")
     serve.add_argument("--policy", help="policy preset name or file, overrides the config")
     serve.add_argument("--record", help="write telemetry to this compressed JSONL file")
+    serve.add_argument("--metrics-listen", metavar="HOST:PORT",
+                       help="serve Prometheus /metrics and the status page / here (overrides metrics_listen)")
     serve.set_defaults(func=_serve)
 
     demo = sub.add_parser("demo", help="controller + simulated GPU fleet, live table, then a goodput summary")
@@ -111,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=["controller", "policies", "drift", "engine"])
+    bench.add_argument("what", choices=["controller", "policies", "drift", "engine", "faults", "soak"])
     bench.add_argument("--out", default="bench/results", help="output directory for JSON + PNG")
     bench.add_argument("--workers", type=int, default=256)
     bench.add_argument("--duration", type=float, default=10.0, help="seconds of measured load")
@@ -125,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--delay-steps", type=int, default=2, help="plan delivery delay in worker steps (default 2)")
     pol.add_argument("--config", help="controller YAML config for the controller-driven runs")
     pol.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    faults = bench.add_argument_group("faults, soak", "options of `bench faults` and `bench soak`")
+    faults.add_argument("--healthy-workers", type=int, default=32, help="faults: healthy workers beside the stuck one")
+    faults.add_argument("--phase-s", type=float, default=8.0, help="faults: seconds of each phase")
+    faults.add_argument("--rounds", type=int, default=3, help="faults: alternations of the two phases")
+    faults.add_argument("--soak-workers", type=int, default=200, help="soak: simulated workers")
+    faults.add_argument("--requests", type=int, default=100_000, help="soak: requests to churn")
     from worker.cli import add_bench_engine_options
 
     add_bench_engine_options(bench)
@@ -145,7 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show the controller's workers, plans and models")
     status.add_argument("--controller", default="127.0.0.1:50051", help="HOST:PORT of the controller")
     status.add_argument("--worker", default="", help="only this worker id")
+    from specctl.tokens import add_client_security_args, add_token_command
+
+    add_client_security_args(status)
     status.set_defaults(func=_status)
+
+    add_token_command(sub)
+
+    from specctl.alerts import add_alerts_command  # alerts [--follow] [--history] | alerts ack ID
+
+    add_alerts_command(sub)
     return parser
 
 

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from controller.config import ServerConfig
+from controller.config import ServerConfig, StoreSettings
 from controller.server import start_server
 from policies.presets import load_preset
 from policies.table import Decision
@@ -153,7 +153,8 @@ def write_results(results: dict[str, dict[str, dict]], out_dir: Path, scenario: 
 
 async def _controlled_run(scenario_name: str, duration_s: float, policy: str, console: Console) -> dict[str, dict]:
     scenario = load_scenario(scenario_name)
-    running = await start_server(ServerConfig(listen="127.0.0.1:0", policy=policy))
+    # Every demo starts fresh: drift baselines in memory, not restored from an earlier run.
+    running = await start_server(ServerConfig(listen="127.0.0.1:0", policy=policy, store=StoreSettings(path="")))
     workers = SimWorker.fleet(scenario)
     agents = [SpeculationAgent(hello_proto(w.hello), running.address, AgentOptions(fallback=Decision.off()))
               for w in workers]

@@ -82,3 +82,33 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interva
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+async def http_get(url: str, timeout: float = 10.0) -> tuple[int, str, bytes]:
+    """(status, content type, body) of a GET. The blocking call runs in a
+    thread: the server under test serves on this test's own event loop."""
+    import urllib.error
+    import urllib.request
+
+    def get() -> tuple[int, str, bytes]:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                return r.status, r.headers.get("Content-Type", ""), r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.headers.get("Content-Type", ""), err.read()
+
+    return await asyncio.to_thread(get)
+
+
+async def feed(agent, worker: SyntheticWorker, loads: list[tuple[int, int]], rounds: int, decide=None,
+               pause_s: float = 0.01) -> list[StepTelemetry]:
+    """``rounds`` × one step per (batch, context) of ``loads`` through ``agent``
+    (decisions from ``decide`` or the agent's plan); returns the steps sent."""
+    sent = []
+    for _ in range(rounds):
+        for batch, ctx in loads:
+            step = worker.step(decide or agent.decide, batch, ctx, prefix=f"b{batch}c{ctx}-")
+            agent.observe(step)
+            sent.append(step)
+        await asyncio.sleep(pause_s)
+    return sent

@@ -146,3 +146,35 @@ def test_series_bins_add_up_to_the_totals():
     assert series.data[1].sum() == pytest.approx(metrics["busy_s"], abs=1e-3)
     exported = series.export()
     assert len(exported["t_s"]) == 4 and exported["mean_depth"][0] == pytest.approx(3.0)
+
+
+def test_quick_cli_run_writes_results_and_goal_verdicts(tmp_path):
+    """``specctl bench policies --quick`` as CI runs it, on one shipped scenario and
+    three presets, in a real subprocess."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "quick"
+    proc = subprocess.run(
+        [sys.executable, "-m", "specctl.cli", "bench", "policies", "--quick", "--scenario", "threshold-cliff",
+         "--policies", "goodput", "vllm-batch-table", "trtllm-concurrency", "--jobs", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "policies.json").read_text())
+    assert report["meta"]["quick"] is True and report["meta"]["time_scale"] == 0.04
+    entry = report["scenarios"]["threshold-cliff"]
+    assert set(entry["policies"]) == {"goodput", "vllm-batch-table", "trtllm-concurrency", "best_static", "oracle"}
+    goals = entry["goals"]
+    assert {"vs_oracle>=0.95", "vs_best_baseline>=0.98", "vs_vllm-batch-table>=1.3", "vs_trtllm-concurrency>=1.3"} <= set(goals)
+    for goal in goals.values():
+        assert goal["met"] == (goal["value"] >= float(goal_threshold(goal, goals)))
+    oracle = entry["policies"]["oracle"]["goodput_tok_s"]
+    assert all(p["goodput_tok_s"] <= oracle * 1.02 for p in entry["policies"].values())
+    assert (out / "series-threshold-cliff.png").stat().st_size > 0
+    assert "threshold-cliff" in proc.stdout
+
+
+def goal_threshold(goal: dict, goals: dict) -> str:
+    name = next(k for k, v in goals.items() if v is goal)
+    return name.rsplit(">=", 1)[1]

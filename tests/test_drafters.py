@@ -130,7 +130,7 @@ def _sequential(head, model, feats, tokens, path):
 def test_eagle_tree_matches_sequential_head(tiny):
     model, vocab = tiny
     b = _eagle(model, vocab)
-    dr = EagleDrafter(b, model, max_depth=4, max_width=3, max_nodes=40)
+    dr = EagleDrafter(b, model, max_depth=4, max_width=3, max_tree_nodes=40)
     assert isinstance(dr, Drafter)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (9,), generator=gen).tolist()

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from controller.protocol import validate_request_step
-from policies.base import DrafterLimits as PolicyLimits
 from policies.table import Decision
 from worker.agent import step_to_proto
-from worker.drafters.base import Drafter, DrafterLimits, DraftTree
+from policies.base import DrafterLimits
+from worker.drafters.base import Drafter, DraftTree
 from worker.drafters.eagle import EagleDrafter
 from worker.drafters.medusa import MedusaDrafter
 from worker.drafters.ngram import NgramDrafter
@@ -59,7 +59,7 @@ class NoisyOracle:
     needs_hidden = False
     version = "test"
 
-    def __init__(self, truth, vocab, p=0.7, seed=0, limits=DrafterLimits(6, 4, 32)):
+    def __init__(self, truth, vocab, p=0.7, seed=0, limits=DrafterLimits("eagle", "test", 6, 4, 32)):
         self.truth = {tuple(k): v for k, v in truth.items()}
         self.vocab = vocab
         self.p = p
@@ -111,7 +111,7 @@ def _truth(prompts, refs):
 
 def _drafter(name, model, vocab, prompts, refs):
     if name == "ngram":
-        return NgramDrafter(max_depth=6, max_width=4, max_nodes=32)
+        return NgramDrafter(max_depth=6, max_width=4, max_tree_nodes=32)
     if name == "oracle":
         return OracleDrafter(_truth(prompts, refs), max_depth=6)
     if name == "noisy":
@@ -119,12 +119,12 @@ def _drafter(name, model, vocab, prompts, refs):
     if name == "medusa":  # zero-initialised heads: each is the identity (predicts the next token)
         b = HeadsBundle.build("medusa", {"hidden": model.config.hidden_size, "num_heads": 5}, torch.arange(vocab))
         torch.nn.init.normal_(b.module.weight, std=0.05)  # make heads differ so trees vary
-        return MedusaDrafter(b, model, max_width=4, max_nodes=32)
+        return MedusaDrafter(b, model, max_width=4, max_tree_nodes=32)
     if name == "eagle":  # random head, reduced draft vocabulary of 96 tokens
         torch.manual_seed(0)
         vocab_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:96].sort().values
         b = HeadsBundle.build("eagle", EagleHead.config_from_target(model.config), vocab_map)
-        return EagleDrafter(b, model, max_depth=6, max_width=4, max_nodes=32)
+        return EagleDrafter(b, model, max_depth=6, max_width=4, max_tree_nodes=32)
     raise ValueError(name)
 
 
@@ -234,8 +234,7 @@ def test_telemetry_is_measured_and_valid(tiny, decision):
     reqs = [engine.submit(p, 12, request_id=f"r{i}", domain="test") for i, p in enumerate(prompts[:5])]
     engine.run()
 
-    limits = PolicyLimits(max_depth=drafter.limits.max_depth, max_width=drafter.limits.max_width,
-                          max_tree_nodes=drafter.limits.max_nodes)
+    limits = drafter.limits
     ids = [s.step_id for s in rec.steps]
     assert ids == sorted(set(ids))  # strictly increasing (process-wide counter)
     for step in rec.steps:

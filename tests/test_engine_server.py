@@ -43,7 +43,7 @@ def test_parse_static():
 
 def test_hello_carries_drafter_version_and_limits(tiny):
     model, _ = tiny
-    hello = make_hello("w", "tiny", model, NgramDrafter(max_depth=5, max_width=3, max_nodes=12), 8)
+    hello = make_hello("w", "tiny", model, NgramDrafter(max_depth=5, max_width=3, max_tree_nodes=12), 8)
     assert hello.engine == "specctl-reference" and hello.max_batch_size == 8
     assert (hello.drafter.max_depth, hello.drafter.max_width, hello.drafter.max_tree_nodes) == (5, 3, 12)
     assert hello.drafter.version == "ngram-1-3" and hello.hardware.params > 0

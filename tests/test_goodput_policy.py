@@ -8,7 +8,15 @@ import pytest
 from controller.acceptance import AcceptanceModel
 from controller.cost import CostParams
 from policies.base import DrafterLimits, LoadProfile, Observation
-from policies.goodput import GoodputConfig, GoodputPolicy, allocate, BatchGroup, best_first_nodes
+from policies.goodput import (
+    MIN_NODE_VALUE,
+    BatchGroup,
+    GoodputConfig,
+    GoodputPolicy,
+    allocate,
+    best_first_nodes,
+    capped_node_lists,
+)
 from policies.table import DEFAULT_BATCH_EDGES, DEFAULT_CONTEXT_EDGES
 
 # H100-class roofline for an 8B model: 16 GB of weights at 3.35 TB/s, 128 KiB
@@ -113,3 +121,119 @@ def test_allocation_prefers_high_value_requests_under_a_budget():
 def test_config_refuses_out_of_range(field, value):
     with pytest.raises(ValueError, match=field):
         GoodputConfig(**{field: value})
+
+
+def test_capped_lists_from_one_expansion_equal_separate_expansions():
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        depth, width, nodes = int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.integers(1, 65))
+        alpha = rng.uniform(0.2, 0.95, depth)
+        shape = np.r_[1.0, rng.uniform(0.05, 0.3) * 0.5 ** np.arange(width - 1)]
+        q = alpha[:, None] * shape[None, :width]
+        lists = capped_node_lists(q, depth, width, nodes)
+        assert len(lists) == depth
+        for cap in range(1, depth + 1):
+            ref = best_first_nodes(q, cap, width, nodes)
+            k = int(np.count_nonzero(ref.values > MIN_NODE_VALUE))  # the shared expansion skips rarer nodes
+            got = lists[cap - 1]
+            assert np.allclose(got.values[:k], ref.values[:k])
+            assert (got.depth[: k + 1] == ref.depth[: k + 1]).all() and (got.width[: k + 1] == ref.width[: k + 1]).all()
+
+
+def test_depth_cap_search_does_not_buy_a_whole_draft_level_for_one_deep_node():
+    """Levels 3-5 are near-certain on a chain, then a cliff; second candidates at
+    levels 1-2 are worth a lot too. In value order the fifth level's node comes
+    before those candidates, so the best value-ordered prefix pays a fifth draft
+    forward for the whole batch; capping the depth at four buys them instead."""
+    costly_levels = CostParams(mem_ms=5.8, compute_ms=0.5, compute_ms_per_token=2 * 8e9 / (0.35 * 989e12) * 1e3,
+                               draft_fixed_ms=0.2, draft_ms_per_level=1.2)
+    q = np.array([[0.6, 0.35], [0.6, 0.35], [0.95, 0.0], [0.95, 0.0], [0.95, 0.0], [0.2, 0.1]])
+    lists = capped_node_lists(q, 6, 2, 12)
+    uncapped = allocate([BatchGroup(8, 500, lists[-1])], costly_levels)
+    capped = allocate([BatchGroup(8, 500, lists[3])], costly_levels)
+    assert lists[-1].depth[uncapped.nodes_per_group[0]] == 5
+    assert capped.goodput_tok_s > 1.03 * uncapped.goodput_tok_s
+    obs = Observation(now=0.0, worker_id="w", drafter=DrafterLimits("eagle", "v1", 6, 2, 12, 8192),
+                      batch_edges=DEFAULT_BATCH_EDGES, context_edges=DEFAULT_CONTEXT_EDGES,
+                      acceptance=FixedAcceptance(q), cost=costly_levels,
+                      load=LoadProfile(mean_batch_size=8, context_share=(1.0,) + (0.0,) * 8,
+                                       context_mean=(500.0,) + (0.0,) * 8))
+    plan, _ = GoodputPolicy(GoodputConfig(probe_fraction=0.0)).decide((0, 0), obs)
+    assert plan.table.lookup(8, 500).depth == 4
+
+
+class FixedAcceptance:
+    """The same rank probabilities in every context bucket."""
+
+    def __init__(self, q: np.ndarray) -> None:
+        self.q = q
+        self.context_edges = DEFAULT_CONTEXT_EDGES
+        self.max_depth, self.max_width = q.shape
+
+    def rank_probs(self, context_bucket: int) -> np.ndarray:
+        return self.q
+
+    def sample_rank_probs(self, context_bucket: int, rng) -> np.ndarray:
+        return self.q
+
+    def effective_samples(self, context_bucket: int) -> np.ndarray:
+        return np.full(self.max_depth, 1e6)
+
+
+def test_hardware_prior_prices_compute_like_a_serving_engine():
+    """The prior from nominal hints sits near the simulator's achieved roofline, so a
+    first plan at a compute-bound batch does not send maximal trees."""
+    from worker.sim.hardware import CostModel
+
+    truth = CostModel("H100-SXM")
+    prior = CostParams.from_hardware(3350, 989, 16e9, 131072, 8e9)
+    for tokens, kv in [(1, 500), (8, 8000), (1024, 256 * 500), (2048, 256 * 500)]:
+        assert prior.verify_ms(tokens, kv) == pytest.approx(truth.verify_ms(tokens, kv), rel=0.2), (tokens, kv)
+    with pytest.raises(ValueError, match="flops_efficiency=0"):
+        CostParams.from_hardware(3350, 989, 16e9, 131072, 8e9, flops_efficiency=0)
+
+
+def test_untested_positions_follow_a_recovery_seen_at_tested_ones():
+    """Acceptance drops and the policy drafts two levels only; when it recovers, the
+    deep positions — no longer tested — must follow position 1 back up within
+    seconds, not over many half-lives."""
+    key = ("eagle", "v1")
+    model = AcceptanceModel(DEFAULT_CONTEXT_EDGES, half_life_s=120.0)
+    rng = np.random.default_rng(4)
+
+    def steps(alpha: float, depth: int, t0: float, seconds: int) -> None:
+        for t in range(seconds):
+            for _ in range(300):
+                ranks = []
+                for _level in range(depth):
+                    ranks.append(1 if rng.random() < alpha else 0)
+                    if ranks[-1] == 0:
+                        break
+                model.observe(key, 6, 1, 100, ranks, [1] * len(ranks), now=t0 + t)
+            model.tick(t0 + t + 1.0)
+
+    def alpha(position: int) -> float:
+        return float(model.view(key, 6, 1).chain_alpha(0)[position - 1])
+
+    steps(0.8, 6, 0.0, 20)  # every position tested at 0.8
+    steps(0.6, 6, 20.0, 20)  # the drop, still tested everywhere
+    assert alpha(5) == pytest.approx(0.6, abs=0.05)
+    steps(0.8, 2, 40.0, 20)  # recovered, but only two levels drafted
+    assert alpha(1) == pytest.approx(0.8, abs=0.03)
+    assert alpha(5) == pytest.approx(0.8, abs=0.06)  # followed the reference up
+    sticks = model.view(key, 6, 1)._params[0]
+    assert (sticks[0] + sticks[1])[4, 0] <= 60  # and it is uncertain again, so probes re-test it
+
+
+def test_cells_with_data_follow_their_data_only():
+    """A deeper position that keeps being tested is not dragged by position 1."""
+    key = ("eagle", "v1")
+    model = AcceptanceModel(DEFAULT_CONTEXT_EDGES, half_life_s=120.0)
+    for t in range(40):
+        for i in range(200):
+            first = 1 if (i % 10) < (9 if t < 10 else 6) else 0  # position 1 drops from 0.9 to 0.6
+            model.observe(key, 2, 1, 100, [1, 1 if i % 2 else 0] if first else [0], [1, 1] if first else [1],
+                          now=float(t))
+        model.tick(t + 1.0)
+    chain = model.view(key, 2, 1).chain_alpha(0)
+    assert chain[0] == pytest.approx(0.6, abs=0.05) and chain[1] == pytest.approx(0.5, abs=0.05)

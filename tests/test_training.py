@@ -58,6 +58,10 @@ def test_draft_vocab_takes_frequent_tokens_and_eos(tiny_ds):
     most = max(set(ds.answer_tokens()), key=ds.answer_tokens().count)
     assert most in vm.tolist()
     assert torch.equal(draft_vocab(ds, 0, 128), torch.arange(128))
+    # counted on the given sequences only (training passes its split: no held-out leak)
+    only3 = ds.answer_tokens([3])
+    (top,) = draft_vocab(ds, 1, 128, idx=[3]).tolist()
+    assert only3.count(top) == max(map(only3.count, only3))
 
 
 def test_unroll_mask_reproduces_draft_tree_attention():
@@ -136,3 +140,24 @@ def test_extra_text_trains_but_never_holds_out(tiny_ds, tmp_path):
     assert set(extra) <= set(train_idx) and not set(extra) & set(test_idx)
     assert big.data_hash != ds.data_hash
     assert big.features[extra[0]].shape == (64, model.config.hidden_size)
+
+
+def test_sampled_answers_join_their_prompts_split(tiny_ds):
+    model, vocab, prompts, ds = tiny_ds
+    encode = lambda text: [int(x) for x in text.split()]  # noqa: E731
+    train_ids = {ds.ids[i] for i in ds.split(0.2)[0]}
+    both = build_distill_set(model, None, prompts, "tiny", max_new_tokens=20, batch=8, cache=False,
+                             show_progress=False, encode=encode, samples=2, temperature=1.0,
+                             sample_prompts=[p for p in prompts if p.id in train_ids])
+    assert both.sequences[: len(ds)] == ds.sequences  # the greedy part is unchanged
+    sampled = both.ids[len(ds):]
+    assert sorted(sampled) == sorted(f"{pid}~{k}" for pid in train_ids for k in (1, 2))
+    # sampled answers really are samples: they differ from the greedy answer of their prompt
+    greedy = dict(zip(ds.ids, ds.sequences))
+    assert sum(both.sequences[i] != greedy[pid.split("~")[0]] for i, pid in enumerate(both.ids) if "~" in pid) > 20
+    train_idx, test_idx = both.split(0.2)
+    assert [both.ids[i] for i in test_idx] == [ds.ids[i] for i in ds.split(0.2)[1]]  # greedy held-out answers only
+    assert len(train_idx) == len(train_ids) * 3 and both.data_hash != ds.data_hash
+    with pytest.raises(ValueError, match="temperature > 0, got samples=1, temperature=0"):
+        build_distill_set(model, None, prompts, "tiny", cache=False, show_progress=False, encode=encode, samples=1,
+                          temperature=0)

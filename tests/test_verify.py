@@ -6,7 +6,6 @@ All model tests use the tiny seeded Llama from ``worker.models.tiny_llama``
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import DynamicCache
 
 from worker.engine.tree import TreeBuffers, chain_parents, tree_buffers
@@ -15,7 +14,6 @@ from worker.engine.verify import (
     greedy_accept,
     greedy_decode,
     prefill,
-    sample_accept_chain,
     verify_tree,
 )
 from worker.models import tiny_llama
@@ -208,61 +206,3 @@ def test_greedy_decode_stops_at_eos(tiny):
     truth = [prompt[0].tolist() + ref]
     out, _ = greedy_decode(model, prompt, _drafter([chain_parents(3)], truth, vocab, 1.0, 0), 12, eos_token_id=eos)
     assert out == [ref[:stop]]
-
-
-# --------------------------------------------------------------------------
-# (c) speculative sampling keeps the target distribution
-# --------------------------------------------------------------------------
-
-P = torch.tensor(
-    [
-        [0.40, 0.25, 0.15, 0.10, 0.07, 0.03],
-        [0.05, 0.05, 0.50, 0.20, 0.10, 0.10],
-        [0.10, 0.20, 0.30, 0.20, 0.10, 0.10],
-    ]
-)  # target, positions 0..2 (2 = bonus)
-Q = torch.tensor(
-    [
-        [0.10, 0.40, 0.30, 0.00, 0.10, 0.10],  # q(3) = 0 < p(3): only the residual can emit 3
-        [0.30, 0.10, 0.20, 0.20, 0.10, 0.10],
-    ]
-)  # drafter, positions 0..1
-TRIALS = 20_000
-
-
-def _draft(q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    return torch.stack([torch.multinomial(q[k], TRIALS, replacement=True, generator=gen) for k in range(len(q))], 1)
-
-
-def _chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    counts = torch.bincount(samples, minlength=len(probs)).double()
-    expected = probs.double() / probs.double().sum() * counts.sum()  # renormalise float32 rounding
-    return float(chisquare(counts.numpy(), expected.numpy()).pvalue)
-
-
-def test_sample_accept_chain_preserves_target_distribution():
-    gen = torch.Generator().manual_seed(0)
-    drafts = _draft(Q, gen)  # [trials, 2]
-    out = sample_accept_chain(P.expand(TRIALS, -1, -1), Q.expand(TRIALS, -1, -1), drafts, gen)
-    first = torch.where(out.tau >= 1, drafts[:, 0], out.next_token)
-    assert _chi2_pvalue(first, P[0]) > 1e-3
-
-    # Position-independent p: given the first token was accepted, the second
-    # emitted token must follow p[1] (exercises tau-indexing past 0).
-    reached = out.tau >= 1
-    second = torch.where(out.tau[reached] >= 2, drafts[reached, 1], out.next_token[reached])
-    assert _chi2_pvalue(second, P[1]) > 1e-3
-    # every draft accepted: the bonus is drawn from the last row of p
-    assert _chi2_pvalue(out.next_token[out.tau == 2], P[2]) > 1e-3
-    # acceptance at position 0 is sum(min(p, q)) (= 0.60 here)
-    alpha = torch.minimum(P[0], Q[0]).sum().item()
-    assert abs(reached.double().mean().item() - alpha) < 0.02
-
-
-def test_sample_accept_chain_equal_drafter_accepts_all_and_samples_bonus():
-    gen = torch.Generator().manual_seed(1)
-    q = P[:2]
-    drafts = _draft(q, gen)
-    out = sample_accept_chain(P.expand(TRIALS, -1, -1), q.expand(TRIALS, -1, -1), drafts, gen)
-    assert bool((out.tau == 2).all())
-    assert _chi2_pvalue(out.next_token, P[2]) > 1e-3

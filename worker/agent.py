@@ -34,6 +34,8 @@ from protos.speculation.v1 import controller_pb2_grpc, plan_pb2, worker_pb2
 from worker.telemetry import RequestSummary, StepTelemetry
 
 log = logging.getLogger("specctl.agent")
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)  # a config problem, not a blip
+_SESSION_OVER = object()  # outbox sentinel: the request generator of an ended call returns
 
 
 @dataclass
@@ -106,11 +108,15 @@ class SpeculationAgent:
     """Local decisions + background telemetry/control stream for one worker."""
 
     def __init__(self, hello: worker_pb2.Hello, target: str, options: AgentOptions | None = None,
-                 channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+                 channel_credentials: grpc.ChannelCredentials | None = None, token: str | None = None) -> None:
+        """``channel_credentials``: TLS (``grpc.ssl_channel_credentials``, with a client
+        certificate for mutual TLS); ``token``: this worker's bearer token when the
+        controller has auth on."""
         self.hello = hello
         self.target = target
         self.options = options or AgentOptions()
         self.credentials = channel_credentials
+        self._call_metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._table = DecisionTable.uniform(self.options.fallback, (1,), (0,))
         self._overrides: dict[str, Decision] = {}
         self._steps: deque[StepTelemetry] = deque()
@@ -120,6 +126,7 @@ class SpeculationAgent:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._outbox: asyncio.Queue | None = None  # the live session's, while connected
 
     # ------------------------------------------------------------ hot path
     def decide(self, request_id: str, context_len: int, batch_size: int) -> Decision:
@@ -144,6 +151,46 @@ class SpeculationAgent:
             overrides = dict(self._overrides)
             overrides.pop(summary.request_id, None)
             self._overrides = overrides
+
+    def roll_drafter(self, drafter: worker_pb2.Drafter) -> None:
+        """Switch to a new drafter (e.g. retrained heads) without a reconnect.
+
+        The controller learns it from a new Hello on the live stream; the steps
+        observed before the roll are sent ahead of that Hello so their outcomes
+        are credited to the old version. Until a plan for the new drafter
+        arrives, decisions are the last plan's clamped to the new limits.
+        Callable from any thread.
+        """
+        hello = worker_pb2.Hello()
+        hello.CopyFrom(self.hello)
+        hello.drafter.CopyFrom(drafter)
+        d = hello.drafter
+        self._table = self._table.clamped(d.max_depth, d.max_width, d.max_tree_nodes)
+        self._overrides = {}
+        if self._loop is None or not self._loop.is_running():
+            self.hello = hello
+            return
+        done = threading.Event()
+
+        def on_loop() -> None:
+            # Drain under the old Hello, then switch: nothing observed before the
+            # roll is reported as the new version's.
+            pending = self._drain() if self._outbox is not None else []
+            self.hello = hello
+            if self._outbox is not None:
+                for msg in pending:
+                    self._outbox.put_nowait(msg)
+                self._outbox.put_nowait(worker_pb2.WorkerMessage(hello=self._current_hello()))
+            done.set()
+
+        self._loop.call_soon_threadsafe(on_loop)
+        done.wait(5.0)
+
+    def _current_hello(self) -> worker_pb2.Hello:
+        hello = worker_pb2.Hello()
+        hello.CopyFrom(self.hello)
+        hello.current_plan_version = self.stats.plan_version
+        return hello
 
     @property
     def plan_version(self) -> int:
@@ -193,7 +240,11 @@ class SpeculationAgent:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure means: reconnect
                 self.stats.last_error = f"{type(err).__name__}: {err}"
-                log.debug("stream to %s ended: %s", self.target, self.stats.last_error)
+                if isinstance(err, grpc.aio.AioRpcError) and err.code() in _REFUSED:
+                    log.warning("controller %s refused worker %r: %s %s", self.target, self.hello.worker_id,
+                                err.code().name, err.details())
+                else:
+                    log.debug("stream to %s ended: %s", self.target, self.stats.last_error)
             self.stats.connected = False
             if time.monotonic() - started > 2.0:
                 backoff = self.options.backoff_initial_s  # the link was healthy: start over
@@ -216,39 +267,47 @@ class SpeculationAgent:
         async with channel:
             stub = controller_pb2_grpc.SpeculationControllerStub(channel)
             outbox: asyncio.Queue = asyncio.Queue()
+            self._outbox = outbox
             stream_up = asyncio.Event()
-            call = stub.Connect(self._outbound(outbox, stream_up))
-            # Telemetry stays queued until the stream is really up: steps
-            # drained into a call that never connects would be lost.
-            await call.wait_for_connection()
-            stream_up.set()
-            self.stats.connected = True
-            stop_task = asyncio.create_task(self._stop.wait())
-            read_task = asyncio.create_task(self._inbound(call, outbox))
+            call = stub.Connect(self._outbound(outbox, stream_up), metadata=self._call_metadata)
             try:
-                await asyncio.wait({stop_task, read_task}, return_when=asyncio.FIRST_COMPLETED)
+                # Telemetry stays queued until the stream is really up: steps
+                # drained into a call that never connects would be lost.
+                await call.wait_for_connection()
+                stream_up.set()
+                self.stats.connected = True
+                stop_task = asyncio.create_task(self._stop.wait())
+                read_task = asyncio.create_task(self._inbound(call, outbox))
+                try:
+                    await asyncio.wait({stop_task, read_task}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    stop_task.cancel()
+                    read_task.cancel()
+                    call.cancel()
             finally:
-                stop_task.cancel()
-                read_task.cancel()
-                call.cancel()
+                # A call the controller ended (refused, restarted) leaves the request
+                # generator waiting: the sentinel ends it without draining telemetry.
+                self._outbox = None
+                outbox.put_nowait(_SESSION_OVER)
+                stream_up.set()
             if read_task.done() and not read_task.cancelled() and read_task.exception():
                 raise read_task.exception()
 
     async def _outbound(self, outbox: asyncio.Queue, stream_up: asyncio.Event):
-        hello = worker_pb2.Hello()
-        hello.CopyFrom(self.hello)
-        hello.current_plan_version = self.stats.plan_version
-        yield worker_pb2.WorkerMessage(hello=hello)
+        yield worker_pb2.WorkerMessage(hello=self._current_hello())
         await stream_up.wait()
         interval = self.options.flush_interval_s
         while True:
             try:
-                msg = await asyncio.wait_for(outbox.get(), timeout=interval)
-                yield msg
+                queued = [await asyncio.wait_for(outbox.get(), timeout=interval)]
                 while not outbox.empty():
-                    yield outbox.get_nowait()
+                    queued.append(outbox.get_nowait())
             except asyncio.TimeoutError:
-                pass
+                queued = []
+            for msg in queued:
+                if msg is _SESSION_OVER:
+                    return
+                yield msg
             for msg in self._drain():
                 yield msg
 

@@ -25,8 +25,9 @@ def _train_heads(args: argparse.Namespace) -> int:
     from worker.models import ModelUnavailableError
 
     set_threads(args.threads)
-    cfg = TrainConfig(kind=args.drafter, epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab,
-                      num_heads=args.num_heads, held_out=args.held_out, unroll=args.unroll, seed=args.seed)
+    cfg = TrainConfig(kind=args.drafter, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
+                      draft_vocab=args.draft_vocab, num_heads=args.num_heads, held_out=args.held_out,
+                      unroll=args.unroll, seed=args.seed)
     try:
         import glob
 
@@ -34,7 +35,8 @@ def _train_heads(args: argparse.Namespace) -> int:
         if args.extra_text and not extra:
             raise FileNotFoundError(f"--extra-text matched no file: {args.extra_text}")
         train_heads(args.drafter, args.model, args.prompts, args.out, config=cfg, max_new_tokens=args.max_new_tokens,
-                    gen_batch=args.gen_batch, limit=args.limit, extra_text=extra, extra_tokens=args.extra_tokens)
+                    gen_batch=args.gen_batch, limit=args.limit, extra_text=extra, extra_tokens=args.extra_tokens,
+                    samples=args.samples, temperature=args.sample_temperature)
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
         print(f"specctl train-heads: {err}", file=sys.stderr)
         return 2
@@ -66,20 +68,30 @@ def _load(args: argparse.Namespace) -> int:
 
 def add_worker_commands(sub) -> None:
     """Add ``train-heads``, ``worker`` and ``load`` to a subparsers object."""
+    from worker.heads.config import DEFAULT_DATA, TrainConfig
+
+    train_defaults = TrainConfig()
     th = sub.add_parser("train-heads", help="train Medusa or EAGLE draft heads by self-distillation")
     th.add_argument("--drafter", required=True, choices=["medusa", "eagle"])
     th.add_argument("--model", default="smollm2-135m", help="model name, .gguf file or checkpoint dir")
     th.add_argument("--prompts", default="all", help="prompt set (chat, code, math, summarise, all) or a JSONL file")
     th.add_argument("--out", required=True, help="heads directory (holds <drafter>.safetensors + .json)")
-    th.add_argument("--max-new-tokens", type=int, default=64, help="length of the target's answers (default 64)")
+    th.add_argument("--max-new-tokens", type=int, default=DEFAULT_DATA.max_new_tokens,
+                    help=f"length of the target's answers (default {DEFAULT_DATA.max_new_tokens})")
     th.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
-    th.add_argument("--epochs", type=int, default=8)
-    th.add_argument("--lr", type=float, default=2e-3)
+    th.add_argument("--epochs", type=int, default=train_defaults.epochs)
+    th.add_argument("--lr", type=float, default=train_defaults.lr)
+    th.add_argument("--weight-decay", type=float, default=train_defaults.weight_decay, help="AdamW weight decay")
     th.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0 = full)")
     th.add_argument("--num-heads", type=int, default=4, help="medusa: heads (max depth); eagle: report depth")
-    th.add_argument("--unroll", type=int, default=2, help="eagle: training passes on its own predictions")
+    th.add_argument("--unroll", type=int, default=train_defaults.unroll,
+                    help="eagle: training passes on its own predictions")
     th.add_argument("--held-out", type=float, default=0.1, help="fraction of prompts held out for the report")
     th.add_argument("--gen-batch", type=int, default=8, help="batch size while the target answers")
+    th.add_argument("--samples", type=int, default=DEFAULT_DATA.samples,
+                    help=f"sampled answers per training prompt on top of the greedy one (default {DEFAULT_DATA.samples})")
+    th.add_argument("--sample-temperature", type=float, default=DEFAULT_DATA.temperature,
+                    help=f"temperature of the sampled answers (default {DEFAULT_DATA.temperature})")
     th.add_argument("--extra-text", action="append", default=[], metavar="GLOB",
                     help="also learn from these text files (target features by prefill, no generation; repeatable)")
     th.add_argument("--extra-tokens", type=int, default=50_000, help="cap on extra-text tokens (default 50000)")

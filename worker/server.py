@@ -62,7 +62,7 @@ class WorkerOptions:
     static: str = ""
     max_depth: int = 6
     max_width: int = 4
-    max_nodes: int = 24
+    max_tree_nodes: int = 24
 
 
 def parse_static(text: str, default: Decision) -> Decision:
@@ -82,7 +82,7 @@ def parse_static(text: str, default: Decision) -> Decision:
 
 
 def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_depth: int = 6,
-                  max_width: int = 4, max_nodes: int = 24, log_fn=print):
+                  max_width: int = 4, max_tree_nodes: int = 24, log_fn=print):
     """A drafter by name; trained heads come from ``heads_dir`` or the
     on-first-use cache (``worker.heads.ensure_heads``)."""
     if kind in ("none", "", None):
@@ -90,7 +90,7 @@ def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_
     if kind == "ngram":
         from worker.drafters.ngram import NgramDrafter
 
-        return NgramDrafter(max_depth=max_depth, max_width=max_width, max_nodes=max_nodes)
+        return NgramDrafter(max_depth=max_depth, max_width=max_width, max_tree_nodes=max_tree_nodes)
     if kind in ("medusa", "eagle"):
         from worker.heads import ensure_heads
         from worker.heads.store import HeadsBundle
@@ -100,10 +100,10 @@ def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_
         if kind == "medusa":
             from worker.drafters.medusa import MedusaDrafter
 
-            return MedusaDrafter(bundle, model, max_width=max_width, max_nodes=max_nodes)
+            return MedusaDrafter(bundle, model, max_width=max_width, max_tree_nodes=max_tree_nodes)
         from worker.drafters.eagle import EagleDrafter
 
-        return EagleDrafter(bundle, model, max_depth=max_depth, max_width=max_width, max_nodes=max_nodes)
+        return EagleDrafter(bundle, model, max_depth=max_depth, max_width=max_width, max_tree_nodes=max_tree_nodes)
     raise ValueError(f"unknown drafter {kind!r}: expected none, ngram, medusa or eagle")
 
 
@@ -126,8 +126,7 @@ def make_hello(worker_id: str, model_name: str, model, drafter, max_batch: int) 
         lim = drafter.limits
         hello.drafter.CopyFrom(worker_pb2.Drafter(
             kind=DRAFTER_KINDS[drafter.kind], version=drafter.version, max_depth=lim.max_depth,
-            max_width=lim.max_width, max_tree_nodes=lim.max_nodes,
-            trained_context_len=int(getattr(drafter, "trained_context_len", 0))))
+            max_width=lim.max_width, max_tree_nodes=lim.max_tree_nodes, trained_context_len=lim.trained_context_len))
     else:  # plain decoding: the controller still sees steps (depth 0 everywhere)
         hello.drafter.CopyFrom(worker_pb2.Drafter(kind=worker_pb2.DRAFTER_KIND_NGRAM, version="none", max_depth=1,
                                                   max_width=1, max_tree_nodes=1))
@@ -322,7 +321,7 @@ def load_worker(opts: WorkerOptions, log_fn=print) -> ReferenceWorker:
     for p in lm.model.parameters():
         p.requires_grad_(False)
     drafter = build_drafter(opts.drafter, lm.model, opts.heads, opts.model, opts.max_depth, opts.max_width,
-                            opts.max_nodes, log_fn=log_fn)
+                            opts.max_tree_nodes, log_fn=log_fn)
     return ReferenceWorker(lm.model, lm.tokenizer, drafter, opts.model, opts)
 
 

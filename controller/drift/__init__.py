@@ -14,28 +14,35 @@ by bootstrap from their baseline:
 
 :class:`AcceptanceDriftMonitor` runs them per drafter version × context
 bucket (× domain) and raises :class:`DriftAlert` objects with a recommended
-:class:`Action`. Wire it with ``controller.on_step.append(monitor.observe_step)``.
+:class:`Action`. The server runs it through :mod:`controller.alerting`.
 """
 
-from controller.drift.accept_chi2 import AcceptLengthChiSquare
-from controller.drift.alerts import Action, DriftAlert, Severity, Status
-from controller.drift.base import DriftDetector
-from controller.drift.cusum import CUSUM
-from controller.drift.histogram_chi2 import HistogramChiSquare
-from controller.drift.monitor import AcceptanceDriftMonitor, MonitorConfig
-from controller.drift.multitest import benjamini_hochberg, holm
+import importlib
+from typing import Any
 
-__all__ = [
-    "AcceptLengthChiSquare",
-    "AcceptanceDriftMonitor",
-    "Action",
-    "CUSUM",
-    "DriftAlert",
-    "DriftDetector",
-    "HistogramChiSquare",
-    "MonitorConfig",
-    "Severity",
-    "Status",
-    "benjamini_hochberg",
-    "holm",
-]
+# Exported names and their modules, imported on first use: a client that only
+# needs the alert types (``specctl alerts``) does not pay for scipy.
+_EXPORTS = {
+    "AcceptLengthChiSquare": "controller.drift.accept_chi2",
+    "AcceptanceDriftMonitor": "controller.drift.monitor",
+    "Action": "controller.drift.alerts",
+    "CUSUM": "controller.drift.cusum",
+    "DriftAlert": "controller.drift.alerts",
+    "DriftDetector": "controller.drift.base",
+    "HistogramChiSquare": "controller.drift.histogram_chi2",
+    "MonitorConfig": "controller.drift.monitor",
+    "Severity": "controller.drift.alerts",
+    "Status": "controller.drift.alerts",
+    "benjamini_hochberg": "controller.drift.multitest",
+    "holm": "controller.drift.multitest",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

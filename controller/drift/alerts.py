@@ -86,6 +86,13 @@ class DriftAlert:
         Why it resolved (``"matches baseline"``, ``"superseded by …"``).
     n_baseline, n_current : int
         Request-steps behind the two histograms.
+    extra : dict
+        Detector details (thresholds, the round's level, …).
+    acked_at : float or None
+        When a person or a pipeline acknowledged the alert (it stays open
+        until its stratum resolves).
+    acked_by : str
+        Who acknowledged it (free text).
     """
 
     id: str
@@ -116,6 +123,8 @@ class DriftAlert:
     n_baseline: int = 0
     n_current: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    acked_at: float | None = None
+    acked_by: str = ""
 
     @property
     def is_open(self) -> bool:

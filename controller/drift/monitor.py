@@ -55,8 +55,9 @@ consecutive windows of the stratum match the baseline again (p-value above
 drafter version is superseded: a worker that ran it announces another one and
 no worker runs it any more (or :meth:`AcceptanceDriftMonitor.retire_version`).
 
-Wiring (not done here): ``controller.on_step.append(monitor.observe_step)``;
-the hook receives ``(WorkerState, StepReport)`` for every applied step.
+Wiring: ``controller.on_step.append(monitor.observe_step)`` feeds every
+applied step; the server feeds a hashed subset of requests instead, off the
+ingest path (:mod:`controller.alerting`).
 """
 
 from __future__ import annotations
@@ -185,24 +186,29 @@ class MonitorConfig:
         if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
             raise ValueError(f"context_edges must start at 0 and increase strictly, got {self.context_edges!r}")
         object.__setattr__(self, "context_edges", edges)
+
+        def number(name: str, *bounds: float, **open_ends: bool) -> None:
+            # stored as checked: "1.0e8" from a YAML file is a string until here
+            object.__setattr__(self, name, check_float(name, getattr(self, name), *bounds, **open_ends))
+
         check_int("baseline_steps", self.baseline_steps, 50)
         check_int("baseline_max", self.baseline_max, self.baseline_steps)
-        check_float("absorb_p", self.absorb_p, 0.0, 1.0, high_open=True)
+        number("absorb_p", 0.0, 1.0, high_open=True)
         check_int("window", self.window, 20)
-        check_float("ert", self.ert, 2.0 * self.round_steps, low_open=True)
+        number("ert", 2.0 * self.round_steps, low_open=True)
         check_int("round_steps", self.round_steps, 1)
-        check_float("cusum_share", self.cusum_share, 0.0, 1.0, low_open=True, high_open=True)
+        number("cusum_share", 0.0, 1.0, low_open=True, high_open=True)
         check_choice("correction", self.correction, ("bh", "holm"))
         drops = tuple(float(check_float("drops", d, 0.0, 0.9, low_open=True)) for d in self.drops)
         if not drops:
             raise ValueError(f"drops must name at least one relative drop, got {self.drops!r}")
         object.__setattr__(self, "drops", drops)
         check_int("resolve_windows", self.resolve_windows, 1)
-        check_float("resolve_p", self.resolve_p, 0.0, 1.0, low_open=True, high_open=True)
-        check_float("localize_llr", self.localize_llr, 0.0)
-        check_float("precision_z", self.precision_z, 0.0)
-        check_float("retrain_threshold", self.retrain_threshold, -1.0, 0.0)
-        check_float("beyond_share", self.beyond_share, 0.0, 1.0, low_open=True)
+        number("resolve_p", 0.0, 1.0, low_open=True, high_open=True)
+        number("localize_llr", 0.0)
+        number("precision_z", 0.0)
+        number("retrain_threshold", -1.0, 0.0)
+        number("beyond_share", 0.0, 1.0, low_open=True)
         check_int("share_window", self.share_window, 10)
         check_int("share_windows", self.share_windows, 1)
         check_int("n_bootstrap", self.n_bootstrap, 64)
@@ -789,6 +795,33 @@ class AcceptanceDriftMonitor:
             if self._workers.get(w) == v.key:
                 del self._workers[w]
 
+    def adopt(self, alert: DriftAlert) -> bool:
+        """Attach an open alert read back from a store to its stratum, so it is not raised twice.
+
+        Returns False (and keeps nothing) when the alert is not open, or its
+        drafter version or stratum is not tracked (e.g. its baseline was not
+        restored), or the stratum already has another open alert.
+        """
+        v = self._versions.get((alert.drafter_kind, alert.drafter_version))
+        if v is None or not alert.is_open:
+            return False
+        if alert.detector == "context_share":
+            if v.extend_alert is not None and v.extend_alert.id != alert.id:
+                return False
+            v.extend_alert = alert
+        else:
+            bucket = max(bisect_right(self.config.context_edges, alert.context_len_min) - 1, 0)
+            s = v.strata.get((bucket, alert.domain))
+            if s is None or s.weights is None or (s.alert is not None and s.alert.id != alert.id):
+                return False
+            s.alert = alert
+            s.quiet = 0
+        self.alerts[alert.id] = alert
+        number = alert.id.rpartition("-")[2]
+        if number.isdigit():
+            self._next_id = max(self._next_id, int(number) + 1)
+        return True
+
     # ---------------------------------------------------------------- output
     def open_alerts(self) -> list[DriftAlert]:
         """Open alerts, oldest first."""
@@ -816,8 +849,9 @@ class AcceptanceDriftMonitor:
         return out
 
     # ----------------------------------------------------------- persistence
-    def to_dict(self) -> dict[str, Any]:
-        """Baselines, alerts and bookkeeping as JSON-ready data (live windows are not kept)."""
+    def to_dict(self, alerts: bool = True) -> dict[str, Any]:
+        """Baselines, alerts (unless ``alerts`` is False: a store keeps them) and bookkeeping as
+        JSON-ready data (live windows are not kept)."""
         versions = []
         for v in self._versions.values():
             strata = []
@@ -836,7 +870,7 @@ class AcceptanceDriftMonitor:
         cfg["context_edges"] = list(cfg["context_edges"])
         cfg["drops"] = list(cfg["drops"])
         return {"format": 1, "config": cfg, "next_id": self._next_id, "versions": versions,
-                "alerts": [a.to_dict() for a in self.alerts.values()]}
+                "alerts": [a.to_dict() for a in self.alerts.values()] if alerts else []}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], clock: Callable[[], float] = time.time) -> "AcceptanceDriftMonitor":

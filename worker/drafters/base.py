@@ -22,21 +22,10 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from policies.base import DrafterLimits
 from policies.table import Decision
 
 __all__ = ["DraftContext", "DraftTree", "Drafter", "DrafterLimits", "EMPTY_TREE", "best_first_tree"]
-
-
-@dataclass(frozen=True, slots=True)
-class DrafterLimits:
-    """The largest tree a drafter can build (reported in Hello)."""
-
-    max_depth: int
-    max_width: int
-    max_nodes: int
-
-    def clamp(self, d: Decision) -> Decision:
-        return d.clamp(self.max_depth, self.max_width, self.max_nodes)
 
 
 @dataclass(slots=True)
@@ -53,11 +42,19 @@ class DraftContext:
 class DraftTree:
     """A draft tree: ``parents`` (-1 = root), ``tokens`` and ``confidences``
     (the drafter's probability of each node given its parent, in [0, 1];
-    siblings are ranked by it for the per-position telemetry)."""
+    siblings are ranked by it for the per-position telemetry).
+
+    ``proposal`` matters only to sampled verification (engine temperature
+    > 0): ``None`` says the tokens are deterministic given the context
+    (top-k, lookup); a ``[n, vocab]`` tensor says the drafter *sampled*
+    them: row i is the law node i's parent drew its children from, one
+    after the other without replacement in node order
+    (``worker/engine/sampling.py``)."""
 
     parents: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
+    proposal: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.parents) == len(self.tokens) == len(self.confidences)):
@@ -65,6 +62,8 @@ class DraftTree:
                 f"draft tree lists differ in length: parents {len(self.parents)}, tokens {len(self.tokens)}, "
                 f"confidences {len(self.confidences)}"
             )
+        if self.proposal is not None and self.proposal.shape[0] != len(self.parents):
+            raise ValueError(f"draft tree proposal has {self.proposal.shape[0]} rows for {len(self.parents)} nodes")
 
     @property
     def num_nodes(self) -> int:
@@ -98,7 +97,7 @@ class Drafter(Protocol):
 
     kind: str  # "ngram" | "medusa" | "eagle" | "oracle"
     version: str  # opaque id (hash of weights + training data for trained heads)
-    limits: DrafterLimits
+    limits: DrafterLimits  # the largest tree it builds (policies' type: what its Hello reports)
     needs_hidden: bool
 
     def propose(self, contexts: Sequence[DraftContext], decisions: Sequence[Decision]) -> list[DraftTree]:

@@ -79,7 +79,7 @@ class EagleDrafter:
     needs_hidden = True
 
     def __init__(self, bundle: HeadsBundle, model, max_depth: int = 6, max_width: int = 4,
-                 max_nodes: int = 32) -> None:
+                 max_tree_nodes: int = 32) -> None:
         if bundle.kind != "eagle":
             raise ValueError(f"EagleDrafter needs eagle heads, got {bundle.kind}")
         self.head: EagleHead = bundle.module.eval()
@@ -87,8 +87,8 @@ class EagleDrafter:
         self.lm = model.get_output_embeddings().weight.detach()[bundle.vocab_map].to(torch.float32)
         self.embed = model.get_input_embeddings()
         self.version = bundle.version
-        self.limits = DrafterLimits(max_depth, max_width, max(max_depth, max_nodes))
-        self.trained_context_len = int(bundle.meta.get("trained_context_len", 0))
+        self.limits = DrafterLimits(self.kind, self.version, max_depth, max_width, max(max_depth, max_tree_nodes),
+                                    int(bundle.meta.get("trained_context_len", 0)))
         layer = self.head.layer
         self._kv_shape = (layer.kv_heads, layer.head_dim)
         self._state: dict[str, _State] = {}

@@ -25,7 +25,7 @@ class MedusaDrafter:
     kind = "medusa"
     needs_hidden = True
 
-    def __init__(self, bundle: HeadsBundle, model, max_width: int = 4, max_nodes: int = 32) -> None:
+    def __init__(self, bundle: HeadsBundle, model, max_width: int = 4, max_tree_nodes: int = 32) -> None:
         if bundle.kind != "medusa":
             raise ValueError(f"MedusaDrafter needs medusa heads, got {bundle.kind}")
         self.heads = bundle.module.eval()
@@ -33,8 +33,8 @@ class MedusaDrafter:
         self.lm = model.get_output_embeddings().weight.detach()[bundle.vocab_map].to(torch.float32)
         self.version = bundle.version
         k = bundle.module.num_heads
-        self.limits = DrafterLimits(k, max_width, max(k, max_nodes))
-        self.trained_context_len = int(bundle.meta.get("trained_context_len", 0))
+        self.limits = DrafterLimits(self.kind, self.version, k, max_width, max(k, max_tree_nodes),
+                                    int(bundle.meta.get("trained_context_len", 0)))
         self._last: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()

@@ -39,14 +39,14 @@ class NgramDrafter:
     needs_hidden = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 8, max_width: int = 4,
-                 max_nodes: int = 32, max_matches: int = 16) -> None:
+                 max_tree_nodes: int = 32, max_matches: int = 16) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.max_matches = max_matches
-        self.limits = DrafterLimits(max_depth, max_width, max_nodes)
         self.version = f"ngram-{min_ngram}-{max_ngram}"
+        self.limits = DrafterLimits(self.kind, self.version, max_depth, max_width, max_tree_nodes)
         self._state: dict[str, _Index] = {}
 
     # ------------------------------------------------------------ index

@@ -22,7 +22,7 @@ class OracleDrafter:
 
     def __init__(self, truth: Mapping[tuple[int, ...], Sequence[int]], max_depth: int = 8) -> None:
         self.truth = {tuple(k): list(v) for k, v in truth.items()}
-        self.limits = DrafterLimits(max_depth, 1, max_depth)
+        self.limits = DrafterLimits(self.kind, self.version, max_depth, 1, max_depth)
 
     def propose(self, contexts: Sequence[DraftContext], decisions: Sequence[Decision]) -> list[DraftTree]:
         out = []

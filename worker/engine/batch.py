@@ -20,7 +20,7 @@ import torch
 from worker.drafters.base import DraftTree
 from worker.engine.tree import TreeBuffers, tree_buffers
 
-__all__ = ["Block", "RowOutcome", "accept_row", "build_block", "cached_tree_buffers"]
+__all__ = ["Block", "RowOutcome", "build_block", "cached_tree_buffers", "greedy_path", "row_outcome"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -76,10 +76,11 @@ def build_block(
 
 @dataclass(slots=True)
 class RowOutcome:
-    """Greedy verification of one row.
+    """Verification of one row (greedy or sampled).
 
     ``path``: block indices root-first of the accepted entries; ``tokens``:
-    the accepted draft tokens then the bonus (what the row emits);
+    the accepted draft tokens then the token after them (bonus or sample:
+    what the row emits);
     ``accepted``: τ; ``accepted_rank`` / ``level_candidates`` /
     ``draft_confidence``: per level reached, as ``worker/telemetry.py``
     defines them (rank by draft confidence, 1-based, 0 = rejected)."""
@@ -92,17 +93,16 @@ class RowOutcome:
     draft_confidence: list[float]
 
 
-def accept_row(tree: DraftTree, target: Sequence[int]) -> RowOutcome:
+def greedy_path(tree: DraftTree, target: Sequence[int]) -> tuple[list[int], int]:
     """Longest draft path the target's argmax agrees with, plus the bonus.
 
     ``target[j]`` is the target's greedy token after block entry ``j``
     (``j = 0`` the root). Among equally deep accepted nodes the first one in
     node order wins (their tokens are identical anyway: each is forced).
+    Returns the path (block indices, root first) and the bonus token.
 
-    >>> t = DraftTree([-1, -1, 0], [7, 8, 9], [0.6, 0.4, 0.9])
-    >>> o = accept_row(t, [8, 5, 1, 3])   # root->8 accepts node 1, a leaf: no rejection entry
-    >>> o.path, o.tokens, o.accepted, o.accepted_rank, o.level_candidates
-    ([0, 2], [8, 1], 1, [2], [2])
+    >>> greedy_path(DraftTree([-1, -1, 0], [7, 8, 9], [0.6, 0.4, 0.9]), [8, 5, 1, 3])
+    ([0, 2], 1)
     """
     n = tree.num_nodes
     depth = [0] * (n + 1)
@@ -119,13 +119,25 @@ def accept_row(tree: DraftTree, target: Sequence[int]) -> RowOutcome:
     while path[-1] != 0:
         path.append(tree.parents[path[-1] - 1] + 1)
     path.reverse()
-    tau = len(path) - 1
-    tokens = [tree.tokens[j - 1] for j in path[1:]] + [int(target[best])]
+    return path, int(target[best])
 
+
+def row_outcome(tree: DraftTree, path: Sequence[int], next_token: int) -> RowOutcome:
+    """What a row emits and reports once verification chose ``path`` (block
+    indices, root first) and the token after it (greedy bonus or sample).
+
+    >>> t = DraftTree([-1, -1, 0], [7, 8, 9], [0.6, 0.4, 0.9])
+    >>> o = row_outcome(t, [0, 2], 1)   # node 1 (token 8) accepted, a leaf: no rejection entry
+    >>> o.tokens, o.accepted, o.accepted_rank, o.level_candidates
+    ([8, 1], 1, [2], [2])
+    """
+    path = list(path)
+    tau = len(path) - 1
+    tokens = [tree.tokens[j - 1] for j in path[1:]] + [int(next_token)]
     ranks: list[int] = []
     cands: list[int] = []
     confs: list[float] = []
-    if n:
+    if tree.num_nodes:
         children: dict[int, list[int]] = {}
         for i, p in enumerate(tree.parents):
             children.setdefault(p + 1, []).append(i + 1)

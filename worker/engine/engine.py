@@ -12,8 +12,9 @@ One ``Engine.step()``:
    empty tree; the drafter still ingests their hidden states);
 4. **verify** (timed): one forward of the target's decoder over every row's
    ``[root | draft nodes]`` block (own tree mask per row, padded to the
-   largest), LM head on the real entries only, greedy acceptance per row,
-   KV compaction to the accepted paths;
+   largest), LM head on the real entries only, acceptance per row (greedy,
+   or recursive rejection sampling when ``temperature > 0``), KV
+   compaction to the accepted paths;
 5. **commit**: emitted tokens (accepted drafts + bonus, cut at EOS /
    ``max_new_tokens``), hidden states of the accepted entries queued for the
    drafter, telemetry to the observer (draft ms, verify ms, per-position
@@ -22,6 +23,9 @@ One ``Engine.step()``:
 Greedy verification accepts a draft token only when it is the target's
 argmax after the accepted prefix, so the output is token for token what
 ``model.generate(do_sample=False)`` produces, whatever the drafter does.
+With ``temperature > 0`` every emitted token follows the target's
+``softmax(logits / temperature)`` given the tokens before it, whatever the
+drafter does (``sampling.sample_accept_tree``; chains and trees alike).
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ import torch
 
 from policies.table import Decision
 from worker.drafters.base import EMPTY_TREE, DraftContext, Drafter, DraftTree
-from worker.engine.batch import accept_row, build_block
+from worker.engine.batch import RowOutcome, build_block, greedy_path, row_outcome
 from worker.engine.kv import BatchKV, SlotCache
+from worker.engine.sampling import sample_accept_tree
 from worker.engine.verify import _cache_kwarg
 from worker.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
 
@@ -112,7 +117,7 @@ class _Row:
 
 
 class Engine:
-    """Continuous-batching greedy engine with per-request speculation.
+    """Continuous-batching engine with per-request speculation, greedy or sampled.
 
     Parameters
     ----------
@@ -130,6 +135,12 @@ class Engine:
         Rows per step; more requests wait.
     eos_token_id : int or list of int, optional
         Default: the model's ``generation_config.eos_token_id``.
+    temperature : float
+        0 = greedy (lossless against ``generate(do_sample=False)``); > 0 =
+        sampling from ``softmax(logits / temperature)`` (lossless in
+        distribution).
+    seed : int, optional
+        Seed of the sampling generator (``temperature > 0``).
     """
 
     def __init__(
@@ -142,7 +153,11 @@ class Engine:
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int = 0,
         repack_hole_fraction: float = 0.25,
+        temperature: float = 0.0,
+        seed: int | None = None,
     ) -> None:
+        if not temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         self.model = model
         self.base = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
@@ -166,6 +181,12 @@ class Engine:
         self.pad_token_id = pad_token_id
         self.repack_hole_fraction = repack_hole_fraction
         self.device = next(model.parameters()).device
+        self.temperature = float(temperature)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
         self.kv = BatchKV.empty(model, self.device)
         self.rows: list[_Row] = []
         self._waiting: deque[Request] = deque()
@@ -301,12 +322,7 @@ class Engine:
                         use_cache=True, **{self._cache_kw: self.kv.cache})
         hidden = out.last_hidden_state  # [batch, N+1, hidden]
         real = torch.cat([hidden[b, : block.sizes[b]] for b in range(batch)])  # LM head on real entries only
-        targets = self.lm_head(real).argmax(-1).tolist()
-        outcomes = []
-        start = 0
-        for b in range(batch):
-            outcomes.append(accept_row(trees[b], targets[start : start + block.sizes[b]]))
-            start += block.sizes[b]
+        outcomes = self._accept(trees, self.lm_head(real), block.sizes)
         k_max = max(len(o.path) for o in outcomes)
         paths = torch.full((batch, k_max), -1, dtype=torch.long)
         for b, o in enumerate(outcomes):
@@ -317,6 +333,26 @@ class Engine:
         if self.kv.maybe_repack(self.repack_hole_fraction):
             self.stats.repacks += 1
         return self._commit(decisions, trees, outcomes, hidden, ctx, t1 - t0, t2 - t1)
+
+    def _accept(self, trees: list[DraftTree], logits: torch.Tensor, sizes: list[int]) -> list[RowOutcome]:
+        """Per row: the accepted path and the token after it; ``logits``
+        ``[Σ sizes, vocab]`` holds every row's real block entries in order."""
+        outcomes = []
+        start = 0
+        if self.temperature == 0.0:
+            targets = logits.argmax(-1).tolist()
+            for tree, size in zip(trees, sizes):
+                path, bonus = greedy_path(tree, targets[start : start + size])
+                outcomes.append(row_outcome(tree, path, bonus))
+                start += size
+            return outcomes
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        for tree, size in zip(trees, sizes):
+            path, token = sample_accept_tree(probs[start : start + size], tree.parents, tree.tokens, tree.proposal,
+                                             self.generator)
+            outcomes.append(row_outcome(tree, path, token))
+            start += size
+        return outcomes
 
     def _decisions(self, ctx: list[int], batch: int) -> list[Decision]:
         if self.drafter is None:

@@ -9,7 +9,8 @@ The ladder, one small function per rung:
 5. ``compact_cache``      keep only the accepted path's KV entries
 6. ``greedy_decode``      the loop tying 1-5 together (reference / test oracle)
 
-plus ``sample_accept_chain`` for sampled (non-greedy) speculation on a chain.
+Sampled (non-greedy) verification, for chains and trees, lives in
+``sampling.py``.
 
 Conventions
 -----------
@@ -50,14 +51,12 @@ from worker.engine.tree import TreeBuffers
 
 __all__ = [
     "Acceptance",
-    "ChainSample",
     "TreeInputs",
     "build_tree_inputs",
     "compact_cache",
     "greedy_accept",
     "greedy_decode",
     "prefill",
-    "sample_accept_chain",
     "verify_tree",
 ]
 
@@ -346,80 +345,6 @@ def compact_cache(
             kv[:, :, past_len : past_len + kept_len] = picked
     cache.crop(-(total - past_len - kept_len))  # negative = tokens to drop (5.x)
     return valid.to(src.device)
-
-
-# --------------------------------------------------------------------------
-# sampled acceptance (chain)
-# --------------------------------------------------------------------------
-
-
-class ChainSample(NamedTuple):
-    """``tau``: long ``[batch]`` draft tokens accepted; ``next_token``: long
-    ``[batch]``, the token emitted after them (resample or bonus)."""
-
-    tau: torch.Tensor
-    next_token: torch.Tensor
-
-
-def sample_accept_chain(
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> ChainSample:
-    """Speculative-sampling rejection for a chain (Leviathan et al.; Chen et al. 2023).
-
-    Why it is exact: at one position let the drafter propose ``x ~ q`` and
-    accept it with probability ``min(1, p(x)/q(x))``. Then
-
-    - P(emit x by acceptance) = ``q(x) min(1, p(x)/q(x)) = min(p(x), q(x))``;
-    - P(reject) = ``1 - sum_y min(p, q) = sum_y max(0, p - q) =: Z``;
-    - on rejection we draw from ``max(0, p - q) / Z``, so
-      P(emit x by resampling) = ``max(0, p(x) - q(x))``.
-
-    The two add up to ``p(x)``: the emitted token is distributed exactly as
-    the target's. Position k is only reached if 1..k-1 were accepted, and
-    then p and q are the conditionals given that same prefix, so the argument
-    applies position by position. If all d drafts pass, the target's
-    distribution after the last one is free: draw the bonus from it.
-
-    Parameters
-    ----------
-    target_probs : torch.Tensor
-        ``[batch, d+1, vocab]``; row k = target distribution for position k
-        (given the root and drafts < k); row d is for the bonus.
-    draft_probs : torch.Tensor
-        ``[batch, d, vocab]``, the distributions the drafts were sampled from.
-    draft_tokens : torch.Tensor
-        long ``[batch, d]``.
-    generator : torch.Generator, optional
-
-    Returns
-    -------
-    ChainSample
-        Emitted tokens are ``draft_tokens[b, :tau[b]]`` then ``next_token[b]``.
-    """
-    batch, d = draft_tokens.shape
-    rows = torch.arange(batch, device=draft_tokens.device)
-    p_x = target_probs[:, :d].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, d]
-    q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, d]
-
-    # u < min(1, p/q)  <=>  u*q < p  for u in [0, 1); no division by q.
-    u = torch.rand(batch, d, generator=generator, device=draft_tokens.device, dtype=p_x.dtype)
-    accepted = u * q_x < p_x  # [batch, d]
-    tau = accepted.long().cumprod(-1).sum(-1)  # [batch]: first rejection (or d)
-
-    # Next-token law: residual norm(max(0, p - q)) at the rejected position,
-    # or plain p at position d when every draft passed.
-    residual = (target_probs[:, :d] - draft_probs).clamp(min=0)  # [batch, d, vocab]
-    laws = torch.cat([residual, target_probs[:, d:]], dim=1)  # [batch, d+1, vocab]
-    law = laws[rows, tau]  # [batch, vocab]
-    mass = law.sum(-1, keepdim=True)
-    # mass == 0 means p == q there, where rejection has probability 0; fall back
-    # to p so a rounding-level event cannot produce NaNs.
-    law = torch.where(mass > 0, law / mass.clamp(min=torch.finfo(law.dtype).tiny), target_probs[rows, tau])
-    next_token = torch.multinomial(law, 1, generator=generator).squeeze(-1)  # [batch]
-    return ChainSample(tau, next_token)
 
 
 # --------------------------------------------------------------------------

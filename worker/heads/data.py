@@ -2,6 +2,13 @@
 forward over prompt + answer records its features (last hidden state after
 the final norm) at every position.
 
+With ``samples > 0`` the target also answers every training prompt that
+many more times *sampled* at a temperature (the engine's lossless
+sampling): more of the target's own text from the same prompts, so the
+heads see more continuations than one greedy answer per prompt. A sampled
+sequence's id is ``<prompt id>~<k>``; it follows its prompt in the
+held-out split.
+
 Both Medusa and EAGLE heads learn from the same ``DistillSet``; it is cached
 under ``$XDG_CACHE_HOME/specctl/distill/`` keyed by the model, the prompts
 and the generation settings, so training the second kind of head skips the
@@ -21,9 +28,10 @@ import torch
 
 from worker.prompts import Prompt, chat_ids
 
-__all__ = ["DistillSet", "build_distill_set", "distill_cache_dir", "draft_vocab"]
+__all__ = ["DistillSet", "SAMPLE_SEP", "build_distill_set", "distill_cache_dir", "draft_vocab"]
 
 _FORMAT = 1
+SAMPLE_SEP = "~"  # "<prompt id>~<k>": the k-th sampled answer to a prompt
 
 
 def distill_cache_dir() -> Path:
@@ -49,14 +57,21 @@ class DistillSet:
         return len(self.sequences)
 
     def split(self, held_out: float = 0.1) -> tuple[list[int], list[int]]:
-        """Deterministic train / held-out indices (by a hash of each prompt id;
-        extra text, ids ``extra:...``, always trains)."""
+        """Deterministic train / held-out indices (by a hash of each prompt id,
+        as ``worker.prompts.held_out``; extra text, ids ``extra:...``, always
+        trains). Held out are the *greedy* answers only: a sampled answer
+        (``<id>~<k>``) to a held-out prompt is neither trained on nor
+        tested."""
         train, test = [], []
         for i, pid in enumerate(self.ids):
             if pid.startswith("extra:"):
                 train.append(i)
                 continue
-            (test if zlib.crc32(pid.encode()) % 1000 < held_out * 1000 else train).append(i)
+            base, sampled, _ = pid.partition(SAMPLE_SEP)
+            if zlib.crc32(base.encode()) % 1000 >= held_out * 1000:
+                train.append(i)
+            elif not sampled:
+                test.append(i)
         if not test and len(train) > 1:
             test.append(train.pop())
         return train, test
@@ -75,6 +90,21 @@ class DistillSet:
         tmp.replace(path)
 
     @classmethod
+    def concat(cls, parts: list["DistillSet"]) -> "DistillSet":
+        """One set holding every part's sequences (same model and answer length)."""
+        first = parts[0]
+        h = hashlib.sha256()
+        for part in parts:
+            if (part.model_key, part.max_new_tokens) != (first.model_key, first.max_new_tokens):
+                raise ValueError(f"cannot join distill sets of {part.model_key}/{part.max_new_tokens} tokens and "
+                                 f"{first.model_key}/{first.max_new_tokens} tokens")
+            h.update(part.data_hash.encode())
+        return cls(first.model_key, [i for p in parts for i in p.ids], [d for p in parts for d in p.domains],
+                   [s for p in parts for s in p.sequences], [n for p in parts for n in p.prompt_lens],
+                   [f for p in parts for f in p.features], h.hexdigest()[:16] if len(parts) > 1 else first.data_hash,
+                   first.max_new_tokens)
+
+    @classmethod
     def load(cls, path: Path) -> "DistillSet":
         d = torch.load(path, weights_only=True)
         if d.get("format") != _FORMAT:
@@ -83,9 +113,11 @@ class DistillSet:
                    [f.to(torch.float32) for f in d["features"]], d["data_hash"], d["max_new_tokens"])
 
 
-def _data_hash(model_key: str, prompts: list[Prompt], max_new_tokens: int) -> str:
+def _data_hash(model_key: str, prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0,
+               seed: int = 0) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([_FORMAT, model_key, max_new_tokens]).encode())
+    # Greedy sets keep the key they always had; sampled ones add their law and seed.
+    h.update(json.dumps([_FORMAT, model_key, max_new_tokens] + ([temperature, seed] if temperature else [])).encode())
     for p in prompts:
         h.update(json.dumps([p.id, p.domain, p.text]).encode())
     return h.hexdigest()[:16]
@@ -123,24 +155,44 @@ def build_distill_set(
     cache: bool = True,
     show_progress: bool = True,
     encode=None,
+    samples: int = 0,
+    temperature: float = 0.8,
+    sample_prompts: list[Prompt] | None = None,
 ) -> DistillSet:
-    """Generate the target's greedy answers and record features (cached).
+    """The target's greedy answers to ``prompts`` (plus ``samples`` sampled
+    answers to each of ``sample_prompts``, default ``prompts``) with their
+    features. Each part is cached on its own, so adding samples later
+    reuses the greedy answers.
 
     ``encode(text) -> token ids`` defaults to the tokenizer's chat template.
     """
+    if samples < 0 or (samples and not temperature > 0):
+        raise ValueError(f"samples must be >= 0 with a temperature > 0, got samples={samples}, "
+                         f"temperature={temperature}")
+    encode = encode or (lambda text: chat_ids(tokenizer, text))
+    args = (model, encode, model_key, max_new_tokens, batch, cache, show_progress)
+    parts = [_answer_set(*args, prompts, 0.0, 0)]
+    for k in range(1, samples + 1):
+        parts.append(_answer_set(*args, sample_prompts if sample_prompts is not None else prompts, temperature, k))
+    return DistillSet.concat(parts)
+
+
+def _answer_set(model, encode, model_key: str, max_new_tokens: int, batch: int, cache: bool, show_progress: bool,
+                prompts: list[Prompt], temperature: float, seed: int) -> DistillSet:
+    """One answer per prompt (greedy, or sampled with ``seed``), features recorded; cached."""
     from tqdm.auto import tqdm
 
     from worker.engine.engine import Engine
 
-    data_hash = _data_hash(model_key, prompts, max_new_tokens)
+    data_hash = _data_hash(model_key, prompts, max_new_tokens, temperature, seed)
     path = distill_cache_dir() / f"{model_key}-{data_hash}.pt"
     if cache and path.is_file():
         return DistillSet.load(path)
-    encode = encode or (lambda text: chat_ids(tokenizer, text))
     prompt_ids = [encode(p.text) for p in prompts]
-
-    engine = Engine(model, max_batch=batch)  # plain greedy, continuous batching
-    bar = tqdm(total=len(prompts), desc="distill: target answers", unit="prompt", disable=not show_progress)
+    what = f"sampled answers #{seed} (T={temperature})" if temperature else "target answers"
+    # Plain decoding with continuous batching; sampling is the target's own law.
+    engine = Engine(model, max_batch=batch, temperature=temperature, seed=seed)
+    bar = tqdm(total=len(prompts), desc=f"distill: {what}", unit="prompt", disable=not show_progress)
     reqs = [engine.submit(ids, max_new_tokens, request_id=p.id, on_done=lambda r: bar.update(1))
             for p, ids in zip(prompts, prompt_ids)]
     engine.run()
@@ -150,8 +202,9 @@ def build_distill_set(
     bar = tqdm(total=len(sequences), desc="distill: target features", unit="seq", disable=not show_progress)
     feats = _features(model, sequences, batch, bar)
     bar.close()
-    ds = DistillSet(model_key, [p.id for p in prompts], [p.domain for p in prompts], sequences,
-                    [len(i) for i in prompt_ids], feats, data_hash, max_new_tokens)
+    ids = [p.id + (f"{SAMPLE_SEP}{seed}" if temperature else "") for p in prompts]
+    ds = DistillSet(model_key, ids, [p.domain for p in prompts], sequences, [len(i) for i in prompt_ids], feats,
+                    data_hash, max_new_tokens)
     if cache:
         ds.save(path)
     return ds
@@ -188,19 +241,23 @@ def extend_with_text(ds: DistillSet, model, tokenizer, files: list[str], max_tok
                       ds.features + feats, h.hexdigest()[:16], ds.max_new_tokens)
 
 
-def draft_vocab(ds: DistillSet, size: int, vocab_size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+def draft_vocab(ds: DistillSet, size: int, vocab_size: int, always: tuple[int, ...] = (),
+                idx: list[int] | None = None) -> torch.Tensor:
     """The ``size`` most frequent tokens of the answers (then of the prompts,
-    then the lowest ids), sorted; ``always`` (e.g. EOS) are included.
+    then the lowest ids: BPE numbers its merges roughly by frequency),
+    sorted; ``always`` (e.g. EOS) are included. Counts the sequences ``idx``
+    only (default all): training passes its training split, so held-out
+    answers do not leak into the vocabulary.
 
     Returns long ``[size]`` token ids (``vocab_size`` or fewer when ``size``
     covers the whole vocabulary: then the map is the identity).
     """
     if size <= 0 or size >= vocab_size:
         return torch.arange(vocab_size)
-    own = [i for i, pid in enumerate(ds.ids) if not pid.startswith("extra:")]
-    answers = Counter(ds.answer_tokens(own))
-    prompts = Counter(t for i, (s, n) in enumerate(zip(ds.sequences, ds.prompt_lens))
-                      for t in (s[:n] if i in set(own) else s))
+    idx = range(len(ds)) if idx is None else idx
+    own = {i for i in idx if not ds.ids[i].startswith("extra:")}
+    answers = Counter(ds.answer_tokens(sorted(own)))
+    prompts = Counter(t for i in idx for t in (ds.sequences[i][: ds.prompt_lens[i]] if i in own else ds.sequences[i]))
     chosen: list[int] = []
     seen: set[int] = set()
 

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 
+from worker.heads.config import KINDS
 from worker.heads.modules import EagleHead, MedusaHeads
 
 __all__ = ["HeadsBundle", "KINDS", "heads_version"]
-
-KINDS = ("medusa", "eagle")
 
 
 def heads_version(kind: str, state: dict[str, torch.Tensor], data_hash: str) -> str:

@@ -28,37 +28,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 
 from worker.heads.data import DistillSet, draft_vocab
 from worker.heads.modules import EagleHead, init_layer_from_target
+from worker.heads.config import TrainConfig
 from worker.heads.store import HeadsBundle
 
 __all__ = ["TrainConfig", "evaluate", "train"]
-
-
-@dataclass
-class TrainConfig:
-    kind: str = "eagle"
-    epochs: int = 8
-    lr: float = 2e-3
-    batch_positions: int = 512  # medusa: positions per step
-    batch_sequences: int = 8  # eagle: sequences per step
-    draft_vocab: int = 8192  # 0 = full vocabulary
-    num_heads: int = 4  # medusa heads / eagle report depth
-    held_out: float = 0.1
-    seed: int = 0
-    noise: float = 0.05  # eagle: input-feature noise, relative to the feature RMS
-    unroll: int = 2  # eagle: training passes on its own predictions
-    cls_weight: float = 1.0  # eagle: weight of the token loss
-    reg_weight: float = 0.1  # eagle: weight of the feature (smooth-L1) loss
-    loss_on: str = "all"  # "all" positions or only the "answer" (from the last prompt token on)
-    init_from_target: bool = False  # eagle: warm-start the layer from the target's last layer (worse here)
-    topk: int = 5  # report: top-k accuracy
-    extra: dict = field(default_factory=dict)
 
 
 def _lm_rows(model, vocab_map: torch.Tensor) -> torch.Tensor:
@@ -98,7 +78,7 @@ def _train_medusa(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: Tr
     heads = bundle.module
     w = _lm_rows(model, bundle.vocab_map)
     table, pos, labels = _medusa_samples(ds, train_idx, cfg.num_heads, cfg.loss_on == "answer")
-    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     steps = math.ceil(len(pos) / cfg.batch_positions) * cfg.epochs
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=max(steps, 1), pct_start=0.1)
@@ -222,7 +202,7 @@ def _train_eagle(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: Tra
     embed = _embed(model)
     for p in embed.parameters():
         p.requires_grad_(False)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     order = sorted(train_idx, key=lambda i: ds.features[i].shape[0])
     batches = [order[s : s + cfg.batch_sequences] for s in range(0, len(order), cfg.batch_sequences)]
@@ -337,7 +317,7 @@ def train(model, ds: DistillSet, cfg: TrainConfig, log=print) -> HeadsBundle:
     eos = getattr(model.generation_config, "eos_token_id", None)
     always = tuple([eos] if isinstance(eos, int) else (eos or ()))
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    vocab_map = draft_vocab(ds, cfg.draft_vocab, vocab_size, always)
+    vocab_map = draft_vocab(ds, cfg.draft_vocab, vocab_size, always, train_idx)
     config = model.config
     hidden = config.hidden_size
     if cfg.kind == "medusa":

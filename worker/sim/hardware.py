@@ -178,17 +178,25 @@ class CostModel:
         self.noise_sigma = float(noise_sigma)
 
     # -- target ---------------------------------------------------------------
-    def memory_ms(self, kv_tokens: float) -> float:
-        """Time to stream weights plus ``kv_tokens`` of KV cache."""
+    def memory_ms(self, kv_tokens):
+        """Time to stream weights plus ``kv_tokens`` of KV cache (scalar or array)."""
         return (self.model.weight_bytes + kv_tokens * self.model.kv_bytes_per_token) / self.hardware.bytes_per_ms
 
-    def compute_ms(self, batch_tokens: float, attn_pairs: float = 0.0) -> float:
-        """Time for the forward's flops at the achieved rate."""
+    def compute_ms(self, batch_tokens, attn_pairs=0.0):
+        """Time for the forward's flops at the achieved rate (scalar or array)."""
         flops = 2.0 * self.model.params * batch_tokens + self.model.attn_flops_per_pair * attn_pairs
         return flops / self.hardware.flops_per_ms
 
-    def verify_ms(self, batch_tokens: float, kv_tokens: float, attn_pairs: float = 0.0) -> float:
+    @property
+    def token_ms(self) -> float:
+        """Verify compute per batch token, attention excluded: the slope past the roofline's kink."""
+        return 2.0 * self.model.params / self.hardware.flops_per_ms
+
+    def verify_ms(self, batch_tokens, kv_tokens, attn_pairs=0.0):
         """One target forward over ``batch_tokens`` tokens reading ``kv_tokens`` KV entries.
+
+        Scalars give a float; arrays (broadcast together) give an array, so
+        callers can price many candidate batches at once.
 
         Parameters
         ----------
@@ -199,9 +207,13 @@ class CostModel:
         attn_pairs
             ``Σ_i (1 + nodes_i) * context_len_i``; 0 leaves the attention flops out.
         """
+        fixed = self.hardware.fixed_ms
+        if np.ndim(batch_tokens) or np.ndim(kv_tokens) or np.ndim(attn_pairs):
+            ms = fixed + np.maximum(self.memory_ms(kv_tokens), self.compute_ms(batch_tokens, attn_pairs))
+            return np.where(np.asarray(batch_tokens) > 0, ms, 0.0)
         if batch_tokens <= 0:
             return 0.0
-        return self.hardware.fixed_ms + max(self.memory_ms(kv_tokens), self.compute_ms(batch_tokens, attn_pairs))
+        return fixed + max(self.memory_ms(kv_tokens), self.compute_ms(batch_tokens, attn_pairs))
 
     def regime(self, batch_tokens: float, kv_tokens: float, attn_pairs: float = 0.0) -> str:
         """``"memory"`` or ``"compute"``: which roofline plane bounds the forward."""
@@ -214,13 +226,6 @@ class CostModel:
         return max(int(free // self.model.kv_bytes_per_token), 0)
 
     # -- drafter --------------------------------------------------------------
-    def _eagle_forward_ms(self, tokens: float, kv_tokens: float) -> float:
-        """One draft-head forward over ``tokens`` tokens attending to ``kv_tokens`` context."""
-        hw, p = self.hardware, self.drafter.params
-        mem = (2.0 * p + kv_tokens * self.model.kv_bytes_per_token * self.drafter.kv_fraction) / hw.bytes_per_ms
-        comp = 2.0 * p * tokens / hw.flops_per_ms
-        return self.drafter.step_overhead_ms + max(mem, comp)
-
     def draft_ms(self, depths: Sequence[int], widths: Sequence[int], context_lens: Sequence[int]) -> float:
         """Drafting cost of one step for the whole batch (0 when nobody drafts).
 
@@ -230,24 +235,45 @@ class CostModel:
             Per request: the (clamped) depth and width drafted, and its context length.
         """
         d = np.asarray(depths, dtype=np.int64)
-        if d.size == 0 or d.max(initial=0) <= 0:
+        top = int(d.max(initial=0)) if d.size else 0
+        if top <= 0:
             return 0.0
-        w = np.asarray(widths, dtype=np.float64)
-        ctx = np.asarray(context_lens, dtype=np.float64)
-        p = self.drafter.params
-        if self.drafter.kind == "medusa":
-            # One pass: the deepest request sets how many heads are read; each
-            # request runs its own heads on one token.
-            hw = self.hardware
-            mem = 2.0 * p * int(d.max()) / hw.bytes_per_ms
-            comp = 2.0 * p * float(d.sum()) / hw.flops_per_ms
-            return self.drafter.step_overhead_ms + max(mem, comp)
-        total = 0.0
-        for level in range(1, int(d.max()) + 1):
-            on = d >= level
-            tokens = float(on.sum()) if level == 1 else float(w[on].sum())
-            total += self._eagle_forward_ms(tokens, float(ctx[on].sum()))
-        return total
+
+        def per_level(weights=None) -> np.ndarray:
+            # Σ over requests drafting level l (depth >= l), for l = 1..top.
+            return np.bincount(d, weights, top + 1)[::-1].cumsum()[::-1][1:]
+
+        count = per_level().astype(np.float64)
+        width_sum = per_level(np.asarray(widths, dtype=np.float64))
+        kv = per_level(np.asarray(context_lens, dtype=np.float64))
+        return float(self.draft_levels_ms(count, width_sum, kv))
+
+    def draft_levels_ms(self, count, width_sum, kv):
+        """Drafting cost from per-level aggregates; arrays ``[..., level]`` give ``[...]``.
+
+        ``count[..., l]``: requests drafting level ``l + 1``; ``width_sum``:
+        the sum of their tree widths; ``kv``: the sum of their context
+        lengths. EAGLE runs one head forward per level over one token per
+        request at level 1 and its ``width`` best frontier nodes below,
+        reading its own one-layer KV; Medusa runs one pass in which the
+        deepest request sets how many heads are read and every request runs
+        its own heads on one token.
+        """
+        count = np.asarray(count, dtype=np.float64)
+        hw, p, drafter = self.hardware, self.drafter.params, self.drafter
+        active = count > 0
+        if drafter.kind == "medusa":
+            levels = active.sum(axis=-1)
+            mem = 2.0 * p * levels / hw.bytes_per_ms
+            comp = 2.0 * p * count.sum(axis=-1) / hw.flops_per_ms
+            return np.where(levels > 0, drafter.step_overhead_ms + np.maximum(mem, comp), 0.0)
+        tokens = np.array(width_sum, dtype=np.float64)
+        tokens[..., 0] = count[..., 0]  # level 1 drafts one token per request
+        kv_bytes = np.asarray(kv, dtype=np.float64) * (self.model.kv_bytes_per_token * drafter.kv_fraction)
+        mem = (2.0 * p + kv_bytes) / hw.bytes_per_ms
+        comp = 2.0 * p * tokens / hw.flops_per_ms
+        per_level = np.where(active, drafter.step_overhead_ms + np.maximum(mem, comp), 0.0)
+        return per_level.sum(axis=-1)
 
     # -- noise ----------------------------------------------------------------
     def noisy(self, ms: float, rng: np.random.Generator) -> float:

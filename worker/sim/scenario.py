@@ -13,6 +13,8 @@ Schema (see ``bench/scenarios/*.yaml`` for complete files)::
     traffic:                 # per worker replica; workers may override any field
       arrivals: {kind: poisson, rate: 4.0}        # requests/s
       #   or {kind: bursty, rate_on: 20, rate_off: 2, mean_on_s: 10, mean_off_s: 30}
+      #   or {kind: closed, users: 8, think_s: 0}   # closed-loop users (vLLM --max-concurrency)
+      #      (+ burst_users: 200, mean_on_s: 8, mean_off_s: 20 for on/off bursts of users)
       prompt_len: {kind: lognormal, median: 800, sigma: 0.8, max: 8000}
       #   or {kind: uniform, min: 16000, max: 128000} | {kind: fixed, value: 512}
       #   or {kind: mixture, components: [{weight: 0.8, kind: lognormal, ...}, ...]}
@@ -29,15 +31,22 @@ Schema (see ``bench/scenarios/*.yaml`` for complete files)::
                   max_nodes: 64, trained_context_len: 8192}
         max_batch_size: 256
     changes:                            # all optional ``workers: [ids]`` to scope them
-      - {at_s: 60, kind: rate, rate: 12, over_s: 60}         # or scale: 3.0
+      - {at_s: 60, kind: rate, rate: 12, over_s: 60}         # or scale: 3.0; closed loop: users: 40
       - {at_s: 100, kind: context, prompt_len: {...}, over_s: 20}
       - {at_s: 150, kind: drift, domain: code, factor: 0.8}  # domain omitted = all
       - {at_s: 240, kind: drift, domain: code, factor: 1.0}  # retrained: back to 1
       - {at_s: 200, kind: domain_mix, domain_mix: {chat: 0.3, code: 0.7}}
 
-A ``rate`` change sets the mean arrival rate (``rate``) or scales the base
-process (``scale``), linearly over ``over_s``; for a bursty process both
-on and off rates scale.
+A ``rate`` change sets the mean arrival rate (``rate``), the number of
+closed-loop users (``users``) or scales the base process (``scale``),
+linearly over ``over_s``; for a bursty process both on and off levels scale.
+
+Open-loop arrivals (``poisson``, ``bursty``) come at their own pace whatever
+the engine does: below saturation every policy emits the same tokens, so
+tokens per second tell policies apart only in overload. Closed-loop users
+(``closed``) send their next request when the last one is answered, as
+vLLM's benchmark does with ``--max-concurrency``: a better decision emits
+more tokens in the same time.
 """
 
 from __future__ import annotations
@@ -178,7 +187,47 @@ class BurstyArrivals(Strict):
         return (self.rate_on * self.mean_on_s + self.rate_off * self.mean_off_s) / (self.mean_on_s + self.mean_off_s)
 
 
-ArrivalSpec = Annotated[Union[PoissonArrivals, BurstyArrivals], Field(discriminator="kind")]
+class ClosedLoopArrivals(Strict):
+    """Closed-loop users, as vLLM's serving benchmark with ``--max-concurrency``.
+
+    Each of ``users`` sends a request, waits for the whole reply, thinks
+    (exponential, mean ``think_s``; 0 = not at all) and sends the next. A
+    faster engine therefore serves more requests, so tokens per second
+    measure how well it decodes, not how fast requests happen to arrive.
+    With ``burst_users`` the number of users alternates between ``users``
+    (off) and ``burst_users`` (on) with exponential dwell times, like
+    :class:`BurstyArrivals`. Users beyond the current count finish their
+    request and then wait until they are counted again.
+    """
+
+    kind: Literal["closed"]
+    users: int = Field(ge=0, description="users sending requests (the off state when bursty)")
+    think_s: float = Field(0.0, ge=0, description="mean think time between a reply and the next request, seconds")
+    burst_users: int | None = Field(None, ge=0, description="users during bursts")
+    mean_on_s: float | None = Field(None, gt=0)
+    mean_off_s: float | None = Field(None, gt=0)
+    start_on: bool = False
+
+    @model_validator(mode="after")
+    def _burst(self):
+        given = [self.burst_users is not None, self.mean_on_s is not None, self.mean_off_s is not None]
+        if any(given) and not all(given):
+            raise ValueError(f"burst_users, mean_on_s and mean_off_s go together, got burst_users={self.burst_users} "
+                             f"mean_on_s={self.mean_on_s} mean_off_s={self.mean_off_s}")
+        if self.users <= 0 and not self.burst_users:
+            raise ValueError(f"users ({self.users}) or burst_users ({self.burst_users}) must be > 0")
+        return self
+
+    @property
+    def bursty(self) -> bool:
+        return self.burst_users is not None
+
+    @property
+    def peak_users(self) -> int:
+        return max(self.users, self.burst_users or 0)
+
+
+ArrivalSpec = Annotated[Union[PoissonArrivals, BurstyArrivals, ClosedLoopArrivals], Field(discriminator="kind")]
 
 
 class Predictability(Strict):
@@ -327,14 +376,19 @@ class ChangeBase(Strict):
 
 
 class RateChange(ChangeBase):
+    """A new load level: open-loop ``rate`` (requests/s), closed-loop ``users``,
+    or ``scale`` (a multiplier of the base rates or user counts)."""
+
     kind: Literal["rate"]
-    rate: float | None = Field(None, ge=0, description="new mean arrival rate, requests/s")
-    scale: float | None = Field(None, ge=0, description="new multiplier of the base arrival rates")
+    rate: float | None = Field(None, ge=0, description="new mean arrival rate, requests/s (open loop)")
+    users: int | None = Field(None, ge=0, description="new number of users (closed loop)")
+    scale: float | None = Field(None, ge=0, description="new multiplier of the base arrival rates or user counts")
 
     @model_validator(mode="after")
     def _one(self):
-        if (self.rate is None) == (self.scale is None):
-            raise ValueError(f"give exactly one of rate / scale, got rate={self.rate} scale={self.scale}")
+        if sum(v is not None for v in (self.rate, self.users, self.scale)) != 1:
+            raise ValueError(f"give exactly one of rate / users / scale, got rate={self.rate} users={self.users} "
+                             f"scale={self.scale}")
         return self
 
 
@@ -408,6 +462,23 @@ class Scenario(Strict):
                     problems.append(f"{where}.workers: unknown worker ids {unknown} (known: {sorted(known_ids)})")
             if isinstance(ch, DriftChange) and ch.domain is not None and ch.domain not in domains:
                 problems.append(f"{where}.domain: unknown domain {ch.domain!r} (known: {sorted(domains)})")
+            if isinstance(ch, RateChange) and (ch.rate is not None or ch.users is not None):
+                for wid, spec in self.replicas():
+                    if not ch.applies_to(spec.id, wid):
+                        continue
+                    closed = isinstance(self.traffic_for(spec).arrivals, ClosedLoopArrivals)
+                    if closed and ch.rate is not None:
+                        problems.append(f"{where}.rate: {ch.rate:g} requests/s for worker {wid!r}, whose users are "
+                                        "closed-loop (give users or scale)")
+                        break
+                    if not closed and ch.users is not None:
+                        problems.append(f"{where}.users: {ch.users} for worker {wid!r}, whose arrivals are open-loop "
+                                        "(give rate or scale)")
+                        break
+                    if closed and ch.users is not None and self.traffic_for(spec).arrivals.users <= 0:
+                        problems.append(f"{where}.users: {ch.users} for worker {wid!r}, whose base users are 0 "
+                                        "(nothing to scale)")
+                        break
         if problems:
             raise ValueError("\n".join(problems))
         return self

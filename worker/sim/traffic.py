@@ -1,18 +1,27 @@
 """Request arrivals of one simulated worker.
 
-Arrival times and request attributes are a pure function of the seed and the
-scenario: they are drawn lazily, in arrival order, from generators that
-nothing else touches, so every policy sees the same requests at the same
-times whatever it decides.
+Open loop (``poisson``, ``bursty``): arrival times and request attributes
+are a pure function of the seed and the scenario, drawn lazily in arrival
+order from generators nothing else touches, so every policy sees the same
+requests at the same times whatever it decides. Times come from thinning a
+Poisson process of rate ``λ_max``: a candidate at ``t`` is kept with
+probability ``λ(t) / λ_max``, where ``λ(t) = state_rate(t) * scale(t)``
+(``state_rate`` is the Poisson rate or the current on/off rate of a bursty
+process; ``scale`` the scheduled ramp).
 
-Times come from thinning a Poisson process of rate ``λ_max``: a candidate at
-``t`` is kept with probability ``λ(t) / λ_max``, where
-``λ(t) = state_rate(t) * scale(t)`` (``state_rate`` is the Poisson rate or
-the current on/off rate of a bursty process; ``scale`` the scheduled ramp).
+Closed loop (``closed``): user ``u`` sends its next request when the worker
+reports its last one finished (:meth:`TrafficGenerator.finished`) plus a
+think time. Users are numbered; user ``u`` is active while
+``u < round(users(t) * scale(t))``. Each user draws its requests and think
+times from its own seed stream, so its ``k``-th request is the same under
+every policy in distribution and, while the schedule does not change the
+distributions, exactly; a faster policy simply gets further down each
+user's list.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -23,6 +32,7 @@ from worker.sim.acceptance import Ramp, Setpoint
 from worker.sim.scenario import (
     BurstyArrivals,
     Change,
+    ClosedLoopArrivals,
     ContextChange,
     DomainMixChange,
     LengthDist,
@@ -94,16 +104,21 @@ class TrafficGenerator:
         self._attrs = np.random.default_rng(attr_ss)
 
         arr = traffic.arrivals
-        base = arr.mean_rate
-        self.scale = Ramp(
-            1.0,
-            [
-                Setpoint(c.at_s, c.scale if c.scale is not None else c.rate / base, c.over_s)
-                for c in changes
-                if isinstance(c, RateChange)
-            ],
-        )
-        peak = max(arr.rate_on, arr.rate_off) if isinstance(arr, BurstyArrivals) else arr.rate
+        self.closed = isinstance(arr, ClosedLoopArrivals)
+        base = arr.users if self.closed else arr.mean_rate
+
+        def level(c: RateChange) -> float:
+            if c.scale is not None:
+                return c.scale
+            return (c.users if self.closed else c.rate) / base
+
+        self.scale = Ramp(1.0, [Setpoint(c.at_s, level(c), c.over_s) for c in changes if isinstance(c, RateChange)])
+        if self.closed:
+            peak = 0.0
+        elif isinstance(arr, BurstyArrivals):
+            peak = max(arr.rate_on, arr.rate_off)
+        else:
+            peak = arr.rate
         self._lambda_max = peak * self.scale.max_value()
         last = max((sp.at_s + sp.over_s for sp in self.scale.setpoints), default=0.0)
         self._dead_after = last if self.scale.value(last) <= 0 else math.inf
@@ -120,25 +135,37 @@ class TrafficGenerator:
         ]
 
         # Bursty state: on/off with the next switch time.
-        self._on = isinstance(arr, BurstyArrivals) and arr.start_on
-        self._switch_at = self._dwell() if isinstance(arr, BurstyArrivals) else math.inf
+        on_off = isinstance(arr, BurstyArrivals) or (self.closed and arr.bursty)
+        self._on = on_off and arr.start_on
+        self._switch_at = self._dwell() if on_off else math.inf
         self._t = 0.0
         self._count = 0
         self._next: Arrival | None = None
+        self.users = _Users(self, arr, attr_ss) if self.closed else None
 
     # -- rates -----------------------------------------------------------------
     def _dwell(self) -> float:
         arr = self.traffic.arrivals
         return float(self._state_rng.exponential(arr.mean_on_s if self._on else arr.mean_off_s))
 
+    def _advance_state(self, t: float) -> bool:
+        """Whether the on/off process is on at ``t`` (call with increasing ``t``)."""
+        while t >= self._switch_at:
+            self._on = not self._on
+            self._switch_at += self._dwell()
+        return self._on
+
     def _state_rate(self, t: float) -> float:
         arr = self.traffic.arrivals
         if not isinstance(arr, BurstyArrivals):
             return arr.rate
-        while t >= self._switch_at:
-            self._on = not self._on
-            self._switch_at += self._dwell()
-        return arr.rate_on if self._on else arr.rate_off
+        return arr.rate_on if self._advance_state(t) else arr.rate_off
+
+    def active_users(self, t: float) -> int:
+        """Closed loop: users sending requests at ``t`` (call with increasing ``t``)."""
+        arr = self.traffic.arrivals
+        users = arr.burst_users if arr.bursty and self._advance_state(t) else arr.users
+        return int(round(users * self.scale.value(t)))
 
     def rate(self, t: float) -> float:
         """Instantaneous arrival rate at ``t`` (advances the bursty state: call with increasing ``t``)."""
@@ -151,6 +178,17 @@ class TrafficGenerator:
         return dict(zip(self.domains, w.tolist()))
 
     # -- arrivals --------------------------------------------------------------
+    def draw(self, request_id: str, t: float, rng: np.random.Generator) -> Arrival:
+        """A request arriving at ``t``, its attributes drawn from ``rng``."""
+        weights = self.domain_weights(t)
+        cum = np.cumsum(list(weights.values()))
+        k = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
+        domain = self.domains[min(k, len(self.domains) - 1)]
+        prompt = self.prompt.sample(t, rng)
+        output = self.output.sample(t, rng)
+        mult = self.traffic.predictability.sample(rng)
+        return Arrival(request_id, t, prompt, output, domain, mult)
+
     def _generate(self) -> Arrival | None:
         if self._lambda_max <= 0:
             return None
@@ -162,27 +200,88 @@ class TrafficGenerator:
             if self._times.random() * self._lambda_max < self.rate(t):
                 break
         self._t = t
-        weights = self.domain_weights(t)
-        cum = np.cumsum(list(weights.values()))
-        k = int(np.searchsorted(cum, self._attrs.random() * cum[-1], side="right"))
-        domain = self.domains[min(k, len(self.domains) - 1)]
-        prompt = self.prompt.sample(t, self._attrs)
-        output = self.output.sample(t, self._attrs)
-        mult = self.traffic.predictability.sample(self._attrs)
-        rid = f"{self.id_prefix}/{self._count}"
+        arrival = self.draw(f"{self.id_prefix}/{self._count}", t, self._attrs)
         self._count += 1
-        return Arrival(rid, t, prompt, output, domain, mult)
+        return arrival
 
-    def peek_time(self) -> float:
-        """Time of the next arrival (``inf`` if none will come)."""
+    def peek_time(self, now: float = -math.inf) -> float:
+        """Time of the next arrival (``inf`` if none will come).
+
+        Closed loop: the earliest time a user may send, after ``now`` (the
+        caller has popped everything up to ``now``); a user who is not
+        counted yet is looked for again :data:`IDLE_POLL_S` later.
+        """
+        if self.users is not None:
+            return self.users.peek(now)
         if self._next is None:
             self._next = self._generate()
         return self._next.arrival_s if self._next is not None else math.inf
 
     def pop_until(self, t: float) -> list[Arrival]:
         """Every arrival at or before ``t`` not returned yet, in order."""
+        if self.users is not None:
+            return self.users.pop_until(t)
         out = []
         while self.peek_time() <= t:
             out.append(self._next)
             self._next = None
         return out
+
+    def finished(self, request_id: str, t: float) -> None:
+        """The worker is done with ``request_id`` at ``t`` (closed loop: its user thinks, then sends again)."""
+        if self.users is not None:
+            self.users.finished(request_id, t)
+
+
+IDLE_POLL_S = 0.05  # how often an idle closed-loop worker looks for users joining
+
+
+class _Users:
+    """Closed-loop users of one worker: who is thinking until when, who waits for a reply."""
+
+    def __init__(self, gen: TrafficGenerator, arr: ClosedLoopArrivals, seed: np.random.SeedSequence) -> None:
+        self.gen = gen
+        self.think_s = arr.think_s
+        n = int(math.ceil(arr.peak_users * gen.scale.max_value()))
+        self.streams = [np.random.default_rng(ss) for ss in seed.spawn(n)]
+        self.sent = [0] * n
+        # Every user is ready at 0 (after a first think time, so thinking users do not start in lockstep).
+        self.ready: list[tuple[float, int]] = [(self._think(u), u) for u in range(n)]
+        heapq.heapify(self.ready)
+        self.waiting_turn: list[int] = []  # ready but not counted among the active users (a heap)
+        self.owner: dict[str, int] = {}
+        self.can_grow = bool(gen.scale.setpoints) or arr.bursty
+
+    def _think(self, u: int) -> float:
+        return float(self.streams[u].exponential(self.think_s)) if self.think_s > 0 else 0.0
+
+    def pop_until(self, t: float) -> list[Arrival]:
+        active = self.gen.active_users(t)
+        out: list[Arrival] = []
+        while self.waiting_turn and self.waiting_turn[0] < active:
+            out.append(self._send(heapq.heappop(self.waiting_turn), t))
+        while self.ready and self.ready[0][0] <= t:
+            at, u = heapq.heappop(self.ready)
+            if u < active:
+                out.append(self._send(u, at))
+            else:
+                heapq.heappush(self.waiting_turn, u)
+        out.sort(key=lambda a: a.arrival_s)
+        return out
+
+    def _send(self, u: int, t: float) -> Arrival:
+        rid = f"{self.gen.id_prefix}/u{u}.{self.sent[u]}"
+        self.sent[u] += 1
+        self.owner[rid] = u
+        return self.gen.draw(rid, t, self.streams[u])
+
+    def finished(self, request_id: str, t: float) -> None:
+        u = self.owner.pop(request_id, None)
+        if u is not None:
+            heapq.heappush(self.ready, (t + self._think(u), u))
+
+    def peek(self, now: float) -> float:
+        nxt = self.ready[0][0] if self.ready else math.inf
+        if self.waiting_turn and self.can_grow:
+            nxt = min(nxt, now + IDLE_POLL_S)
+        return nxt

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +55,11 @@ class DraftTree:
     child_count: np.ndarray
     first_child: np.ndarray
     level_sizes: tuple[int, ...]
+    children: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)  # (count, first) per node
+
+    def __post_init__(self) -> None:
+        # Plain ints for the per-step walk in :func:`sample_outcomes`.
+        object.__setattr__(self, "children", tuple(zip(self.child_count.tolist(), self.first_child.tolist())))
 
 
 EMPTY_TREE = DraftTree(0, 0, 0, np.zeros(1, np.int64), np.zeros(1, np.int64), ())
@@ -208,8 +213,8 @@ def sample_outcome(tree: DraftTree, q: np.ndarray, u: np.ndarray) -> TreeOutcome
 
 def sample_outcomes(
     trees: list[DraftTree], q: np.ndarray, u: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Vectorised :func:`sample_outcome` over a batch.
+) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """:func:`sample_outcome` over a batch (ranks drawn in one vectorised pass).
 
     Parameters
     ----------
@@ -222,34 +227,37 @@ def sample_outcomes(
 
     Returns
     -------
-    accepted : [batch] τ per request.
-    ranks : [batch, levels] accepted rank per level, -1 past the levels reached.
-    offered : [batch, levels] candidates per level, 0 past the levels reached.
+    accepted : τ per request.
+    ranks : per request, the accepted rank at each level reached (0 = none).
+    offered : per request, the candidates offered at each level reached.
     """
-    b, levels = u.shape
-    accepted = np.zeros(b, np.int64)
-    ranks = np.full((b, levels), -1, np.int64)
-    offered = np.zeros((b, levels), np.int64)
+    b = len(trees)
     if not any(t.nodes for t in trees):
-        return accepted, ranks, offered
-    # All trees in one flat node array; node ids become global via per-tree offsets.
-    sizes = np.fromiter((t.child_count.shape[0] for t in trees), np.int64, b)
-    offsets = np.cumsum(sizes) - sizes
-    cc = np.concatenate([t.child_count for t in trees])
-    fc = np.concatenate([t.first_child for t in trees]) + np.repeat(offsets, sizes)
-    drawn = sample_ranks(q, u)
-    node = offsets.copy()
-    alive = cc[node] > 0
-    for level in range(levels):
-        c = cc[node]
-        here = alive & (c > 0)
-        if not here.any():
-            break
-        r = drawn[:, level]
-        ok = here & (r <= c)
-        ranks[here, level] = np.where(ok[here], r[here], 0)
-        offered[here, level] = c[here]
-        node = np.where(ok, fc[node] + r - 1, node)
-        accepted += ok
-        alive = ok
+        return [0] * b, [[] for _ in range(b)], [[] for _ in range(b)]
+    drawn = sample_ranks(q, u).tolist()
+    accepted: list[int] = []
+    ranks: list[list[int]] = []
+    offered: list[list[int]] = []
+    # A per-request walk in plain Python: trees are a few levels deep, and
+    # this beats array operations per level at every batch size we run.
+    for tree, row in zip(trees, drawn):
+        kids = tree.children
+        node = tau = 0
+        got: list[int] = []
+        seen: list[int] = []
+        for level in range(tree.depth):
+            count, first = kids[node]
+            if count == 0:
+                break
+            r = row[level]
+            seen.append(count)
+            if r > count:
+                got.append(0)
+                break
+            got.append(r)
+            tau += 1
+            node = first + r - 1
+        accepted.append(tau)
+        ranks.append(got)
+        offered.append(seen)
     return accepted, ranks, offered

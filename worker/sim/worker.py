@@ -2,7 +2,8 @@
 
 Each :meth:`SimWorker.step` is one engine iteration:
 
-1. arrivals up to ``now`` join a FIFO queue; queued requests are admitted
+1. arrivals up to ``now`` join a FIFO queue (closed-loop users send their
+   next request once told their last one finished); queued requests are admitted
    while the batch has fewer than ``max_batch_size`` requests and their KV
    (prompt + full output, reserved up front) fits;
 2. ``decide(request_id, context_len, batch_size)`` is asked for every running
@@ -374,6 +375,7 @@ class SimWorker:
             if r.reserved_kv > self.kv_capacity:  # can never fit: the engine refuses it
                 self._waiting_head += 1
                 self.stats.rejected += 1
+                self.traffic.finished(r.request_id, now)
                 continue
             if self.kv_reserved + r.reserved_kv > self.kv_capacity:
                 break
@@ -411,7 +413,7 @@ class SimWorker:
             raise ValueError("SimWorker.step needs a decide callable")
         admitted = self._admit(now)
         if not self.running:
-            nxt = self.traffic.peek_time()
+            nxt = self.traffic.peek_time(now)
             return StepResult(now, max(nxt - now, 0.0), idle=True)
         prefill_ms = self._prefill_ms(admitted)
 
@@ -441,7 +443,7 @@ class SimWorker:
             qconf = None
             trees = [chain_tree(dcs.depth) for dcs in decisions]
         u = self._outcome_rng.random((b, self.max_depth))
-        accepted, ranks, offered = sample_outcomes(trees, q, u)
+        acc_l, ranks_l, offered_l = sample_outcomes(trees, q, u)
 
         nodes = np.fromiter((t.nodes for t in trees), np.int64, b)
         depths = [t.depth for t in trees]
@@ -455,10 +457,6 @@ class SimWorker:
         end = now + duration_s
         stamp = self.time_origin + end
 
-        reached = (ranks >= 0).sum(axis=1).tolist()
-        ranks_l = ranks.tolist()
-        offered_l = offered.tolist()
-        acc_l = accepted.tolist()
         conf_l = None
         if self.spec.report_confidence:  # the drafter's confidence in its top candidate per level
             conf_l = (quantize(q[:, :, 0]) / 256.0).round(4).tolist()
@@ -471,7 +469,6 @@ class SimWorker:
         for i, r in enumerate(running):
             t = trees[i]
             tau = acc_l[i]
-            e = reached[i]
             reqs.append(
                 RequestTelemetry(
                     r.request_id,
@@ -480,9 +477,9 @@ class SimWorker:
                     t.width,
                     t.nodes,
                     tau,
-                    ranks_l[i][:e],
-                    offered_l[i][:e],
-                    conf_l[i][:e] if conf_l is not None and t.depth else (),
+                    ranks_l[i],
+                    offered_l[i],
+                    conf_l[i][: len(ranks_l[i])] if conf_l is not None and t.depth else (),
                     r.domain,
                 )
             )
@@ -494,6 +491,7 @@ class SimWorker:
             spec_steps += t.depth > 0
             if r.generated >= r.output_len:
                 self.kv_reserved -= r.reserved_kv
+                self.traffic.finished(r.request_id, end)
                 finished.append(RequestSummary(r.request_id, r.generated, r.steps, r.accepted, stamp))
                 st.finished.append(
                     RequestRecord(
@@ -509,7 +507,7 @@ class SimWorker:
         st.tokens += tokens
         st.request_steps += b
         st.spec_request_steps += spec_steps
-        st.accepted_tokens += int(accepted.sum())
+        st.accepted_tokens += sum(acc_l)
         st.draft_nodes += int(nodes.sum())
         st.draft_ms += draft
         st.verify_ms += verify

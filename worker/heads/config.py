@@ -1,0 +1,48 @@
+"""Settings of head training, importable without torch (the CLI builds its
+options from them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DEFAULT_DATA", "KINDS", "DistillData", "TrainConfig"]
+
+KINDS = ("medusa", "eagle")
+
+
+@dataclass(frozen=True)
+class DistillData:
+    """What the target answers for self-distillation: the prompt set, the
+    answer length and how many sampled answers per training prompt."""
+
+    prompts: str = "all"
+    max_new_tokens: int = 128
+    samples: int = 1
+    temperature: float = 0.8
+
+
+DEFAULT_DATA = DistillData()
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and loss settings of ``worker.heads.train.train``."""
+
+    kind: str = "eagle"
+    epochs: int = 6
+    lr: float = 2e-3
+    weight_decay: float = 0.0  # AdamW's decoupled decay
+    batch_positions: int = 512  # medusa: positions per step
+    batch_sequences: int = 8  # eagle: sequences per step
+    draft_vocab: int = 8192  # 0 = full vocabulary
+    num_heads: int = 4  # medusa heads / eagle report depth
+    held_out: float = 0.1
+    seed: int = 0
+    noise: float = 0.05  # eagle: input-feature noise, relative to the feature RMS
+    unroll: int = 2  # eagle: training passes on its own predictions
+    cls_weight: float = 1.0  # eagle: weight of the token loss
+    reg_weight: float = 0.1  # eagle: weight of the feature (smooth-L1) loss
+    loss_on: str = "all"  # "all" positions or only the "answer" (from the last prompt token on)
+    init_from_target: bool = False  # eagle: warm-start the layer from the target's last layer (worse here)
+    topk: int = 5  # report: top-k accuracy
+    extra: dict = field(default_factory=dict)
