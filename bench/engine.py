@@ -5,29 +5,40 @@ Every run decodes the same held-out prompts (mixed chat / code / math /
 summarisation, not used to train the heads) greedily to ``max_new_tokens``
 through ``worker.engine.Engine`` with ``max_batch = batch``:
 
-- ``none`` / ``plain``: no drafter (measured first and last at every batch;
-  the mean is the baseline of ``speedup_vs_plain``; its outputs are the
-  reference for ``lossless`` and the oracle's truth);
+- ``none`` / ``plain``: no drafter (its outputs are the reference for
+  ``lossless`` and the oracle's truth) and ``plain-repeat`` (the same again,
+  last: the machine's drift); the mean of the two is the baseline of
+  ``speedup_vs_plain``;
 - ``hf-prompt-lookup`` / ``static-dK``: transformers
   ``generate(prompt_lookup_num_tokens=K)`` on the same model, one prompt at a
-  time (transformers' assisted decoding is batch-1 only), batch 1 only;
+  time (transformers' assisted decoding is batch-1 only), batch 1 only; its
+  target forwards are counted, so ``steps`` and ``mean_accepted`` compare
+  with the engine's exactly;
 - ``ngram`` / ``medusa`` / ``eagle`` at ``static-dK`` (chains) and under the
   controller (policy = a preset name): an in-process controller on loopback,
   one ``SpeculationAgent`` per drafter; the agent observes the drafter's
-  static runs too, so the controller has fitted cost and acceptance models
-  before its own runs;
+  static runs too, so the controller fits its cost and acceptance models as
+  the benchmark goes;
 - ``oracle`` / ``static-dK``: replays the target's own greedy continuation
   (100% acceptance), the ceiling of this verification pipeline here.
+
+Configurations run in lockstep: one engine per configuration, each with all
+the prompts, and the driver steps them in turn (one step each per round,
+the first engine rotating) and times every step; transformers' calls (one
+prompt each) are spread evenly over the rounds. A slow minute of this shared
+machine then falls on all configurations alike instead of on whichever ran
+in it. Greedy outputs do not depend on the configuration: one untimed plain
+pass first gives the reference and the oracle's truth.
 
 ``tokens_per_s``: generated tokens / wall time of the run (prefill, drafting,
 verification, Python overhead: everything). ``tokens_per_cpu_s``: the same
 over the CPU time of the engine's thread (``time.thread_time``; torch runs
 one intra-op thread, in that thread). On a machine shared with other
-processes the wall clock swings by tens of percent from minute to minute
-(plain greedy is measured twice per batch to show it), while CPU time only
-counts the cycles the engine got, so ``speedup_vs_plain`` is computed on CPU
-time and ``speedup_vs_plain_wall`` on wall time; both against the mean of the
-two plain runs of the same batch. ``mean_accepted``: mean τ per row-step.
+processes the wall clock swings by tens of percent from minute to minute,
+while CPU time only counts the cycles the engine got, so
+``speedup_vs_plain`` is computed on CPU time and ``speedup_vs_plain_wall``
+on wall time; both against the mean of the two plain configurations of the
+same batch. ``mean_accepted``: mean τ per row-step.
 ``lossless``: every output equals the plain run's token for token.
 """
 
@@ -64,6 +75,51 @@ class EngineRun:
     verify_ms_per_step: float = 0.0
     steps: int = 0
     note: str = ""
+
+
+@dataclass
+class _Tally:
+    """One configuration's totals over the prompt groups of one batch size."""
+
+    tokens: int = 0
+    secs: float = 0.0
+    cpu: float = 0.0
+    steps: int = 0
+    row_steps: int = 0
+    accepted: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    lossless: bool = True
+    note: str = ""
+
+    def add_stats(self, stats, lossless: bool) -> None:
+        """Engine totals (time is added step by step by the caller)."""
+        self.tokens += stats.tokens
+        self.steps += stats.steps
+        self.row_steps += stats.row_steps
+        self.accepted += stats.accepted
+        self.draft_s += stats.draft_s
+        self.verify_s += stats.verify_s
+        self.lossless &= lossless
+
+    def add_hf(self, run: "EngineRun") -> None:
+        self.tokens += run.tokens
+        self.secs += run.seconds
+        self.cpu += run.tokens / run.tokens_per_cpu_s
+        self.steps += run.steps
+        self.row_steps += run.steps
+        self.accepted += run.mean_accepted * run.steps
+        self.lossless &= run.lossless
+        self.note = run.note
+
+    def run(self, drafter: str, policy: str, batch: int) -> "EngineRun":
+        steps = max(self.steps, 1)
+        return EngineRun(drafter, policy, batch, tokens_per_s=round(self.tokens / self.secs, 2), speedup_vs_plain=0.0,
+                         mean_accepted=round(self.accepted / max(self.row_steps, 1), 3), lossless=self.lossless,
+                         tokens=self.tokens, seconds=round(self.secs, 2),
+                         tokens_per_cpu_s=round(self.tokens / self.cpu, 2),
+                         draft_ms_per_step=round(1e3 * self.draft_s / steps, 2),
+                         verify_ms_per_step=round(1e3 * self.verify_s / steps, 2), steps=self.steps, note=self.note)
 
 
 class _FanOut:
@@ -121,7 +177,6 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      prompts: int = 8, max_new_tokens: int = 48, depths=(2, 4),
                      drafters=("ngram", "medusa", "eagle", "oracle"), policy: str = "goodput",
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True) -> int:
-    from tqdm.auto import tqdm
 
     from worker.cli import set_threads
     from worker.drafters.oracle import OracleDrafter
@@ -151,67 +206,30 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
             hello = make_hello(f"bench-{d}", model_name, model, built[d], max(batches))
             agents[d] = SpeculationAgent(hello, controller.address, AgentOptions(fallback=Decision.chain(2))).start()
 
-    n_runs = len(batches) * (2 + len(learned) * (len(depths) + (1 if controller else 0))
-                             + (len(depths) if "oracle" in drafters else 0)) + len(depths)
-    bar = tqdm(total=n_runs, desc="bench engine", unit="run")
-    runs: list[EngineRun] = []
-    plain_out: dict[int, list[list[int]]] = {}
-    plain_tps: dict[int, list[float]] = {}
-    plain_cpu: dict[int, list[float]] = {}
-
-    def engine_run(drafter_name, drafter, decide, batch, policy_name, observer=None) -> EngineRun:
-        engine = Engine(model, drafter, decide, observer=observer, max_batch=batch)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        outs = engine.generate(ids, max_new_tokens)
-        secs, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        s = engine.stats
-        ref = plain_out.get(batch) or plain_out.get(1)
-        run = EngineRun(drafter_name, policy_name, batch, tokens_per_s=s.tokens / secs, speedup_vs_plain=0.0,
-                        mean_accepted=s.mean_accepted, lossless=ref is None or outs == ref, tokens=s.tokens,
-                        seconds=secs, tokens_per_cpu_s=s.tokens / cpu,
-                        draft_ms_per_step=1e3 * s.draft_s / max(s.steps, 1),
-                        verify_ms_per_step=1e3 * s.verify_s / max(s.steps, 1), steps=s.steps)
-        bar.set_postfix_str(f"{drafter_name} {policy_name} b{batch}: {run.tokens_per_s:.1f} tok/s")
-        bar.update(1)
-        return run, outs
-
+    # Greedy output does not depend on the configuration (every run is
+    # checked against this), so one untimed pass gives the reference and the
+    # oracle's truth for every batch size.
+    reference = Engine(model, max_batch=len(ids)).generate(ids, max_new_tokens)
+    truth = {tuple(p): o for p, o in zip(ids, reference)}
+    tallies: dict[tuple[str, str, int], _Tally] = {}
     try:
         for batch in batches:
-            run, outs = engine_run("none", None, None, batch, "plain", _FanOut(agents.values()))
-            plain_out[batch] = outs
-            plain_tps[batch] = [run.tokens_per_s]
-            plain_cpu[batch] = [run.tokens_per_cpu_s]
-            runs.append(run)
-            if batch == batches[0]:
-                for k in depths:  # the real peer: transformers' prompt lookup, batch 1
-                    runs.append(_hf_prompt_lookup(model, ids, max_new_tokens, k, plain_out[batch]))
-                    bar.update(1)
+            specs = [("none", "plain", None, None, _FanOut(agents.values()))]
             for d in learned:
-                for k in depths:
-                    run, _ = engine_run(d, built[d], static_decide(Decision.chain(k)), batch, f"static-d{k}",
-                                        agents.get(d))
-                    runs.append(run)
+                specs += [(d, f"static-d{k}", built[d], static_decide(Decision.chain(k)), agents.get(d))
+                          for k in depths]
                 if d in agents:
-                    agent = agents[d]
-                    deadline = time.monotonic() + 20
-                    while agent.plan_version < 1 and time.monotonic() < deadline:
-                        time.sleep(0.2)
-                    run, _ = engine_run(d, built[d], agent.decide, batch, policy, agent)
-                    run.note = f"plan v{agent.plan_version}; decision at this batch: {agent.decide('probe', 200, batch)}"
-                    runs.append(run)
+                    specs.append((d, policy, built[d], agents[d].decide, agents[d]))
             if "oracle" in drafters:
-                truth = {tuple(p): o for p, o in zip(ids, plain_out[batches[0]])}
-                for k in depths:
-                    run, _ = engine_run("oracle", OracleDrafter(truth, max_depth=max(depths)),
-                                        static_decide(Decision.chain(k)), batch, f"static-d{k}")
-                    runs.append(run)
-            run, _ = engine_run("none", None, None, batch, "plain")  # plain again: drift of the machine
-            plain_tps[batch].append(run.tokens_per_s)
-            plain_cpu[batch].append(run.tokens_per_cpu_s)
-            run.policy = "plain-repeat"
-            runs.append(run)
+                specs += [("oracle", f"static-d{k}", OracleDrafter(truth, max_depth=max(depths)),
+                           static_decide(Decision.chain(k)), None) for k in depths]
+            specs.append(("none", "plain-repeat", None, None, None))
+            hf = [(k, i) for i in range(len(ids)) for k in depths] if batch == 1 else []
+            _lockstep(model, Engine, specs, hf, ids, reference, batch, max_new_tokens, tallies)
+            for d, agent in agents.items():
+                tallies[(d, policy, batch)].note = (f"plan v{agent.plan_version}; decision at this batch at the "
+                                                    f"end: {agent.decide('probe', 200, batch)}")
     finally:
-        bar.close()
         import logging
 
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # grpc.aio pollers of closed agent loops
@@ -220,17 +238,14 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         if controller is not None:
             controller.close()
 
+    runs = [t.run(name, pol, batch) for (name, pol, batch), t in tallies.items()]
     for r in runs:
-        base = sum(plain_tps[r.batch]) / len(plain_tps[r.batch]) if r.batch in plain_tps else None
-        base_cpu = sum(plain_cpu[r.batch]) / len(plain_cpu[r.batch]) if r.batch in plain_cpu else None
-        r.speedup_vs_plain_wall = round(r.tokens_per_s / base, 3) if base else 0.0
-        r.speedup_vs_plain = round(r.tokens_per_cpu_s / base_cpu, 3) if base_cpu else 0.0
-        r.tokens_per_s = round(r.tokens_per_s, 2)
-        r.tokens_per_cpu_s = round(r.tokens_per_cpu_s, 2)
-        r.mean_accepted = round(r.mean_accepted, 3)
-        r.seconds = round(r.seconds, 2)
-        r.draft_ms_per_step = round(r.draft_ms_per_step, 2)
-        r.verify_ms_per_step = round(r.verify_ms_per_step, 2)
+        plain = [tallies[(n, p, r.batch)] for n, p in (("none", "plain"), ("none", "plain-repeat"))
+                 if (n, p, r.batch) in tallies]
+        base = sum(t.tokens / t.secs for t in plain) / len(plain)
+        base_cpu = sum(t.tokens / t.cpu for t in plain) / len(plain)
+        r.speedup_vs_plain_wall = round(r.tokens_per_s / base, 3)
+        r.speedup_vs_plain = round(r.tokens_per_cpu_s / base_cpu, 3)
     result = {
         "model": model_name,
         "prompts": [p.id for p in items],
@@ -246,6 +261,60 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     _print_table(runs)
     print(f"wrote {out / 'engine.json'}" + (f" and {out / 'engine.png'}" if plot else ""))
     return 0
+
+
+def _lockstep(model, engine_cls, specs, hf, ids, reference, batch, max_new_tokens, tallies) -> None:
+    """Run every configuration of ``specs`` side by side, one engine step each
+    in turn (the starting engine rotates every round), timing each step.
+
+    ``specs``: ``(drafter name, policy, drafter, decide, observer)``; every
+    engine gets all prompts with ``max_batch = batch``. ``hf``: ``(depth,
+    prompt index)`` calls of transformers' prompt lookup, spread evenly over
+    the rounds (a call is one whole prompt: it cannot be stepped).
+    """
+    from tqdm.auto import tqdm
+
+    engines, requests = {}, {}
+    for i, (name, pol, drafter, decide, observer) in enumerate(specs):
+        key = (name, pol, batch)
+        engines[key] = engine_cls(model, drafter, decide, observer=observer, max_batch=batch)
+        requests[key] = [engines[key].submit(p, max_new_tokens) for p in ids]
+        tallies[key] = _Tally()
+        if i == 0:  # the peer's rows right after plain's
+            for k in dict.fromkeys(k for k, _ in hf):
+                tallies[("hf-prompt-lookup", f"static-d{k}", batch)] = _Tally()
+    expected_rounds = max(1, len(ids) * max_new_tokens // batch)
+    hf_every = max(1, expected_rounds // max(len(hf), 1))
+    hf = list(hf)
+    bar = tqdm(total=expected_rounds, desc=f"bench engine, batch {batch} ({len(specs)} engines in lockstep)",
+               unit="round")
+    rounds = 0
+    while True:
+        live = [key for key, e in engines.items() if e.has_work()]
+        if not live:
+            break
+        shift = rounds % len(live)
+        for key in live[shift:] + live[:shift]:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            engines[key].step()
+            tallies[key].secs += time.perf_counter() - t0
+            tallies[key].cpu += time.thread_time() - c0
+        if hf and rounds % hf_every == 0:
+            _hf_call(model, ids, reference, max_new_tokens, hf.pop(0), tallies)
+        rounds += 1
+        bar.update(1)
+    while hf:
+        _hf_call(model, ids, reference, max_new_tokens, hf.pop(0), tallies)
+    bar.close()
+    for key, engine in engines.items():
+        tallies[key].add_stats(engine.stats, [r.output for r in requests[key]] == reference)
+
+
+def _hf_call(model, ids, reference, max_new_tokens, call, tallies) -> None:
+    """One prompt through transformers' prompt lookup at depth k (batch 1)."""
+    k, i = call
+    tallies[("hf-prompt-lookup", f"static-d{k}", 1)].add_hf(
+        _hf_prompt_lookup(model, [ids[i]], max_new_tokens, k, [reference[i]]))
 
 
 @torch.inference_mode()

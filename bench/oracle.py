@@ -15,7 +15,7 @@ itself:
 Every step it maximises the step's expected goodput ``Σ_i E[τ_i + 1] /
 (T_draft + T_verify)`` — the SmartSpec objective the goodput policy also
 pursues — over the batch's draft trees: each request's best-first node list
-comes from :func:`policies.goodput.best_first_nodes` on its true ``q`` (the
+comes from :func:`policies.goodput.capped_node_lists` on its true ``q`` (the
 EAGLE-2 tree values, built from the same 1/256-rounded confidences the
 simulator builds its trees from), and the batch takes the TETRIS rule of
 :func:`policies.goodput.allocate` — the best prefix of all candidate nodes
@@ -49,18 +49,17 @@ from typing import Callable
 
 import numpy as np
 
-from policies.goodput import best_first_nodes
+from policies.goodput import capped_node_lists
 from policies.table import Decision
 from worker.sim.tree import CONF_SCALE, quantize
 from worker.sim.worker import SimWorker
 
 MAX_CANDIDATES = 4096  # nodes considered per step (the best by value); far more than any batch can use
-MIN_VALUE = 1e-3  # nodes accepted less often than this never pay for their verification
 # An allocation is reused while the batch and every request's node list stay the same
 # (the lists are keyed by the 1/256-quantised q), for at most this many steps: in
 # between only the KV read grows, by a few tokens per request per step, which moves
 # a step's price by far less than its 3 % timing noise.
-REUSE_STEPS = 16
+REUSE_STEPS = 32
 
 
 class OracleDecider:
@@ -100,8 +99,9 @@ class OracleDecider:
         packed as ``[L, 3N + 3]`` rows: ``values [N]`` (0 past the list), ``depth [N + 1]``
         and ``width [N + 1]`` (the tree shape a prefix of ``m`` nodes has), ``count``.
 
-        Cached by the 1/256-quantised ``q`` — the simulator's own tree key. Caps
-        at or above the uncapped list's depth share its list.
+        All caps come from one expansion (:func:`policies.goodput.capped_node_lists`,
+        which leaves out nodes worth less than ``MIN_NODE_VALUE``). Cached by the
+        1/256-quantised ``q`` — the simulator's own tree key.
         """
         qconf = quantize(q)
         key = qconf.tobytes()
@@ -112,36 +112,41 @@ class OracleDecider:
             conf = qconf / CONF_SCALE  # the simulator builds its trees from these confidences
             n = self.max_nodes
             hit = np.zeros((self.max_depth, 3 * n + 3))
-            reached = self.max_depth
-            for cap in range(self.max_depth, 0, -1):
-                if cap >= reached and cap < self.max_depth:
-                    hit[cap - 1] = hit[cap]
-                    continue
-                nodes = best_first_nodes(conf, cap, self.max_width, n)
-                k = int(np.count_nonzero(nodes.values >= MIN_VALUE))
-                row = hit[cap - 1]
-                row[:k] = nodes.values[:k]
-                row[n : n + k + 1] = nodes.depth[: k + 1]
-                row[2 * n + 1 : 2 * n + k + 2] = nodes.width[: k + 1]
+            for cap, nodes in enumerate(capped_node_lists(conf, self.max_depth, self.max_width, n)):
+                k = len(nodes.values)
+                row = hit[cap]
+                row[:k] = nodes.values
+                row[n : n + k + 1] = nodes.depth
+                row[2 * n + 1 : 2 * n + k + 2] = nodes.width
                 row[3 * n + 2] = k
-                if cap == self.max_depth:
-                    reached = int(nodes.depth[k])
             self._cache[key] = hit
         return hit
 
-    def request_lists(self, request_id: str, q: np.ndarray) -> np.ndarray:
-        """:meth:`node_lists` of a running request, reused while its ``q`` stays within
-        half a confidence quantum of the one they were built for (context grows a few
-        tokens a step; ``q`` moves far slower than that)."""
-        memo = self._memo.get(request_id)
-        if memo is not None and float(np.abs(memo[0] - q).max()) < 0.5 / CONF_SCALE:
-            return memo[1]
-        lists = self.node_lists(q)
-        if len(self._memo) > 4096:
-            live = {r.request_id for r in self.worker.running}
-            self._memo = {k: v for k, v in self._memo.items() if k in live}
-        self._memo[request_id] = (q, lists)
-        return lists
+    def batch_lists(self, q: np.ndarray) -> list[np.ndarray]:
+        """:meth:`node_lists` of every running request (``q``: [batch, depth, width]),
+        each reused while its ``q`` stays within half a confidence quantum of the one
+        its lists were built for (context grows a few tokens a step; ``q`` moves far
+        slower than that)."""
+        running = self.worker.running
+        memo = self._memo
+        refs = [memo.get(r.request_id) for r in running]
+        known = [i for i, ref in enumerate(refs) if ref is not None]
+        fresh = np.ones(len(running), dtype=bool)
+        if known:
+            drift = np.abs(np.stack([refs[i][0] for i in known]) - q[known]).reshape(len(known), -1).max(axis=1)
+            fresh[known] = drift >= 0.5 / CONF_SCALE
+        out = []
+        for i, r in enumerate(running):
+            if fresh[i]:
+                lists = self.node_lists(q[i])
+                memo[r.request_id] = (q[i], lists)
+                out.append(lists)
+            else:
+                out.append(refs[i][1])
+        if len(memo) > 4096:
+            live = {r.request_id for r in running}
+            self._memo = {k: v for k, v in memo.items() if k in live}
+        return out
 
     # -- per batch -----------------------------------------------------------
     def allocate(self) -> dict[str, Decision]:
@@ -158,7 +163,7 @@ class OracleDecider:
         q = w.acceptance.rank_probs_batch(ctx, dom, np.array([r.multiplier for r in running]))
         self.alpha1_sum += float(q[:, 0, 0].sum())
         self.alpha1_n += b
-        lists = [self.request_lists(r.request_id, q[i]) for i, r in enumerate(running)]
+        lists = self.batch_lists(q)
         last = self._last
         if (last is not None and last[2] < REUSE_STEPS and len(last[0]) == b
                 and all(x is y for x, y in zip(last[0], lists))):

@@ -40,7 +40,7 @@ one adds ``Σ_{k=d+1..d'} Π_{j=d+1..k} α_j`` from the acceptance model. A
 step that did not speculate (d = 0) is all model.
 
 Step time comes from the cost model the controller fitted on the whole
-recording: ``verify_ms(Σ(1 + nodes'), Σ context) + draft_ms(max depth',
+recording: ``verify_ms(Σ(1 + nodes'), Σ context, Σ (1 + nodes')·context) + draft_ms(max depth',
 Σ nodes')`` for the counterfactual batch, and the same for the recorded
 decisions, so the two estimates share one clock and their ratio is
 meaningful; the measured goodput of the recording is reported next to them.
@@ -143,10 +143,12 @@ class StepEstimate:
     tokens: float
     nodes: int
     max_depth: int
+    attn_pairs: int
     # recorded
     rec_tokens: int
     rec_nodes: int
     rec_max_depth: int
+    rec_attn_pairs: int
     measured_ms: float
 
 
@@ -264,12 +266,13 @@ class Replayer:
         limits = worker.state.limits
         view = None
         q_by_bucket: dict[int, np.ndarray] = {}
-        tokens, nodes, max_depth = 0.0, 0, 0
-        rec_tokens, rec_nodes, rec_depth, kv = 0, 0, 0, 0
+        tokens, nodes, max_depth, pairs = 0.0, 0, 0, 0
+        rec_tokens, rec_nodes, rec_depth, rec_pairs, kv = 0, 0, 0, 0, 0
         for r in step.requests:
             kv += r.context_len
             rec_tokens += r.accepted + 1
             rec_nodes += r.nodes
+            rec_pairs += (1 + r.nodes) * r.context_len
             rec_depth = max(rec_depth, r.depth)
             decision = worker.decide(r, step.batch_size)
             worker.request_steps += 1
@@ -294,12 +297,13 @@ class Replayer:
             worker.speculating += d > 0
             tokens += tau + 1.0
             nodes += n
+            pairs += (1 + n) * r.context_len
             max_depth = max(max_depth, d)
             if worker.details is not None:
                 worker.details.append((r.request_id, r.depth, r.accepted, decision, tau, exact))
         unreported = max(0, step.batch_size - len(step.requests))
-        return StepEstimate(step.batch_size, kv, unreported, tokens + unreported, nodes, max_depth,
-                            rec_tokens + unreported, rec_nodes, rec_depth, step.draft_ms + step.verify_ms)
+        return StepEstimate(step.batch_size, kv, unreported, tokens + unreported, nodes, max_depth, pairs,
+                            rec_tokens + unreported, rec_nodes, rec_depth, rec_pairs, step.draft_ms + step.verify_ms)
 
     def tree(self, worker: ReplayWorker, q: np.ndarray, decision: Decision) -> DraftTree:
         """The counterfactual tree: best-first from the model's ``q`` (cached by ``q`` and decision)."""
@@ -323,9 +327,11 @@ class Replayer:
             batch_tokens = np.array([x.batch_size + x.nodes for x in e], float)
             rec_batch_tokens = np.array([x.batch_size + x.rec_nodes for x in e], float)
             kv = np.array([x.kv_tokens for x in e], float)
-            ms = np.asarray(cost.verify_ms(batch_tokens, kv)) + np.asarray(
+            pairs = np.array([x.attn_pairs for x in e], float)
+            rec_pairs = np.array([x.rec_attn_pairs for x in e], float)
+            ms = np.asarray(cost.verify_ms(batch_tokens, kv, pairs)) + np.asarray(
                 cost.draft_ms(np.array([x.max_depth for x in e], float), np.array([x.nodes for x in e], float)))
-            rec_ms = np.asarray(cost.verify_ms(rec_batch_tokens, kv)) + np.asarray(
+            rec_ms = np.asarray(cost.verify_ms(rec_batch_tokens, kv, rec_pairs)) + np.asarray(
                 cost.draft_ms(np.array([x.rec_max_depth for x in e], float), np.array([x.rec_nodes for x in e], float)))
             row = np.array([sum(x.tokens for x in e), ms.sum(), sum(x.rec_tokens for x in e), rec_ms.sum(),
                             sum(x.measured_ms for x in e)])

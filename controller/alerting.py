@@ -84,7 +84,7 @@ class MonitorFeed:
         Clock of the resizing windows.
     """
 
-    def __init__(self, monitor: AcceptanceDriftMonitor, sample_fraction: float = 1.0, max_buffered: int = 50_000,
+    def __init__(self, monitor: AcceptanceDriftMonitor, sample_fraction: float = 1.0, max_buffered: int = 10_000,
                  adapt_every_s: float = 1.0, timer: Callable[[], float] = time.thread_time,
                  wall: Callable[[], float] = time.monotonic) -> None:
         if not 0.0 < sample_fraction <= 1.0:
@@ -311,7 +311,7 @@ class DriftAlerting:
     """
 
     def __init__(self, monitor: AcceptanceDriftMonitor, store: StateStore, sinks: list[Sink], *,
-                 sample_fraction: float = 1.0, cpu_fraction: float = 0.02, max_buffered: int = 50_000,
+                 sample_fraction: float = 1.0, cpu_fraction: float = 0.02, max_buffered: int = 10_000,
                  watch_queue_size: int = 1000, save_interval_s: float = 60.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.monitor = monitor

@@ -186,7 +186,7 @@ class DriftSettings(BaseModel):
         0.02, gt=0, le=1,
         description="share of each housekeeping tick the monitor may use; beyond it the subset shrinks "
                     "(its cache footprint slows ingest by about as much again)")
-    max_buffered: int = Field(50_000, ge=100, description="request-steps waiting for the monitor (oldest dropped)")
+    max_buffered: int = Field(10_000, ge=100, description="request-steps waiting for the monitor (oldest dropped)")
     monitor: dict = Field(default_factory=dict,
                           description="MonitorConfig overrides (baseline_steps, window, ert, ...); "
                                       "context buckets are the controller's context_len_edges")
@@ -302,6 +302,9 @@ class ServerConfig(BaseModel):
     policy_poll_interval_s: float = Field(1.0, gt=0, description="how often the policy file is checked for changes")
     send_queue_size: int = Field(16, ge=1, le=10_000, description="bounded per-stream send queue")
     max_active_requests: int = Field(8192, ge=16, description="requests tracked per worker (LRU beyond)")
+    forget_worker_after_s: float = Field(
+        3600.0, gt=0, description="a worker disconnected this long is forgotten (its state, not its drafter's "
+                                  "acceptance, which is shared per drafter version)")
     record: str = Field("", description="path of a compressed JSONL telemetry recording; empty = off")
     metrics_listen: str = Field("", description="HOST:PORT of /metrics and the status page; empty = off")
     status_sample_interval_s: float = Field(5.0, gt=0, description="how often the status page's history is sampled")

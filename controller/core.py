@@ -78,6 +78,7 @@ class WorkerState:
     cost: StepCostModel
     connected: bool = True
     last_step_id: int = 0
+    disconnected_at: float = float("inf")  # clock time of the last disconnect; inf while connected
     steps_ingested: int = 0
     last_report_at: float = 0.0
     active: OrderedDict[str, int] = field(default_factory=OrderedDict)  # request id -> context_len
@@ -189,6 +190,8 @@ class Controller:
             self.workers[hello.worker_id] = state
         state.hello = hello
         state.connected = True
+        state.disconnected_at = float("inf")
+        state.last_step_id = 0  # a restarted worker numbers its steps from 1 again
         # Versions only move forward, also across controller restarts: the
         # worker tells us the plan it runs and the next one must be newer.
         state.plan_version = max(state.plan_version, hello.current_plan_version)
@@ -200,6 +203,21 @@ class Controller:
     def disconnect(self, state: WorkerState) -> None:
         state.connected = False
         state.pending.clear()
+        state.disconnected_at = self.clock()
+
+    def forget_idle_workers(self) -> list[str]:
+        """Drop workers disconnected for ``forget_worker_after_s``: a fleet that
+        churns worker ids (autoscaling, restarts under new names) must not
+        grow the controller without bound. Returns the ids forgotten."""
+        cutoff = self.clock() - self.config.forget_worker_after_s
+        gone = [wid for wid, st in self.workers.items() if not st.connected and st.disconnected_at <= cutoff]
+        for wid in gone:
+            del self.workers[wid]
+        if gone:
+            dropped = set(gone)
+            for key in [k for k in self.accept_counts if k[0] in dropped]:  # every drafter version it ran
+                del self.accept_counts[key]
+        return gone
 
     # -------------------------------------------------------------- telemetry
     def reject(self, state: WorkerState | None, err: Invalid) -> plan_pb2.Rejection:
@@ -246,12 +264,13 @@ class Controller:
         outcomes = []
         unreported = step.batch_size - len(rows)  # requests not reported decode one token each
         batch_tokens = tokens = unreported
-        kv_tokens = max_depth = total_nodes = level_kv = 0
+        kv_tokens = max_depth = total_nodes = level_kv = attn_pairs = 0
         posteriors = None
         for row in rows:
             rid, ctx, depth, width, nodes, accepted, ranks, cands = row
             batch_tokens += 1 + nodes
             kv_tokens += ctx
+            attn_pairs += (1 + nodes) * ctx
             total_nodes += nodes
             tokens += 1 + accepted
             c = bisect_right(edges, ctx) - 1  # edges start at 0, so c >= 0
@@ -279,7 +298,8 @@ class Controller:
         while len(active) > self.config.max_active_requests:
             active.popitem(last=False)
         draft_ms, verify_ms, batch = step.draft_ms, step.verify_ms, step.batch_size
-        state.cost.observe_step(batch_tokens, kv_tokens, max_depth, total_nodes, level_kv, draft_ms, verify_ms)
+        state.cost.observe_step(batch_tokens, kv_tokens, max_depth, total_nodes, level_kv, draft_ms, verify_ms,
+                                attn_pairs)
         state.recent_steps.append(
             StepOutcome(step.step_id, step.timestamp, batch, draft_ms, verify_ms, tuple(outcomes), tokens))
         keep = 1 - LOAD_EMA

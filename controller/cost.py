@@ -3,26 +3,31 @@
 Verification follows a roofline with two planes:
 
     verify_ms = max(mem_ms + mem_ms_per_kv_token · kv_tokens,
-                    compute_ms + compute_ms_per_token · batch_tokens)
+                    compute_ms + compute_ms_per_token · batch_tokens
+                               + compute_ms_per_pair · attn_pairs)
 
 where ``batch_tokens = Σ_i (1 + nodes_i)`` is what the target forward
-processes and ``kv_tokens = Σ_i context_len_i`` what it reads from the KV
-cache. One fit covers the three regimes of design.md §3: at small batch the
-memory plane (weights) dominates and extra draft tokens are free; at large
-batch with short context the compute plane dominates and every extra token
-costs ``compute_ms_per_token``; at large batch with long context the KV term
-lifts the memory plane back above the compute plane and speculation is cheap
-again.
+processes, ``kv_tokens = Σ_i context_len_i`` what it reads from the KV
+cache and ``attn_pairs = Σ_i (1 + nodes_i) · context_len_i`` the
+query-key pairs attention computes: past ~30k tokens of context a tree's
+attention flops outweigh its GEMM flops, so a per-token slope alone would
+price the same node wrong at every context length but one. One fit covers
+the three regimes of design.md §3: at small batch the memory plane
+(weights) dominates and extra draft tokens are free; at large batch with
+short context the compute plane dominates and every extra token costs
+``compute_ms_per_token``; at large batch with long context the KV term
+lifts the memory plane back above the compute plane and speculation is
+cheap again.
 
 Drafting is linear: ``draft_ms = draft_fixed_ms·[any speculation] +
 draft_ms_per_level·max_depth + draft_ms_per_node·Σ nodes +
-draft_ms_per_level_kv_token·Σ_i depth_i·context_len_i`` — the last term is an
-autoregressive drafter reading its own KV cache once per level, which matters
-at long context.
+draft_ms_per_level_kv_token·Σ_i depth_i·context_len_i`` — the last term is
+an autoregressive drafter reading its own KV cache once per level, which
+matters at long context.
 
 Memory is bounded: verify observations land in a fixed grid of cells over
 (log2 batch_tokens, log2 kv_tokens), each keeping decayed weighted sums; the
-draft model keeps 3×3 normal-equation sums. Nothing grows with traffic.
+draft model keeps 4×4 normal-equation sums. Nothing grows with traffic.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class CostParams:
     mem_ms_per_kv_token: float = 0.0
     compute_ms: float = 0.0
     compute_ms_per_token: float = 0.0
+    compute_ms_per_pair: float = 0.0
     draft_fixed_ms: float = 0.0
     draft_ms_per_level: float = 0.5
     draft_ms_per_node: float = 0.0
@@ -60,6 +66,7 @@ class CostParams:
         overhead_ms: float = 1.0,
         flops_efficiency: float = 0.4,
         bandwidth_efficiency: float = 0.85,
+        query_groups: float = 4.0,
     ) -> "CostParams":
         """Roofline prior from a worker's hardware hints (zeros = unknown).
 
@@ -70,6 +77,12 @@ class CostParams:
         With peak flops the compute plane would look ~2.5x too cheap until
         the first compute-bound steps arrive, and the first plans would send
         maximal trees into batches that cannot afford them.
+
+        Attention does 4 flops per query-key pair per layer and query
+        dimension; the hints give layers × KV width (``kv_bytes_per_token``
+        over 2 tensors × 2 bytes), and grouped-query attention makes the
+        query width ``query_groups`` times that (4 for Llama-3, Mistral,
+        Qwen2). The fit corrects all three once data arrives.
         """
         if bandwidth_gb_s <= 0 or weight_bytes <= 0:
             return cls()
@@ -83,14 +96,17 @@ class CostParams:
             mem_ms_per_kv_token=kv_bytes_per_token / bytes_per_ms,
             compute_ms=overhead_ms,
             compute_ms_per_token=(2.0 * params / flops_per_ms) if flops_per_ms and params else 0.0,
+            compute_ms_per_pair=(query_groups * kv_bytes_per_token / flops_per_ms) if flops_per_ms else 0.0,
             draft_fixed_ms=overhead_ms * 0.2,
             draft_ms_per_level=0.05 * weight_bytes / bytes_per_ms,
             draft_ms_per_node=0.0,
         )
 
-    def verify_ms(self, batch_tokens, kv_tokens):
+    def verify_ms(self, batch_tokens, kv_tokens, attn_pairs=0.0):
+        """One target forward (scalars or arrays); ``attn_pairs`` 0 leaves attention flops out."""
         mem = self.mem_ms + self.mem_ms_per_kv_token * np.asarray(kv_tokens, dtype=float)
-        comp = self.compute_ms + self.compute_ms_per_token * np.asarray(batch_tokens, dtype=float)
+        comp = (self.compute_ms + self.compute_ms_per_token * np.asarray(batch_tokens, dtype=float)
+                + self.compute_ms_per_pair * np.asarray(attn_pairs, dtype=float))
         out = np.maximum(mem, comp)
         return float(out) if out.ndim == 0 else out
 
@@ -111,6 +127,7 @@ class CostParams:
 # Internal scaling keeps the least-squares problems well conditioned.
 _N_SCALE = 1e3
 _KV_SCALE = 1e6
+_P_SCALE = 1e7
 
 
 def fit_max_planes(
@@ -121,6 +138,7 @@ def fit_max_planes(
     prior: CostParams,
     prior_weight: float,
     iterations: int = 25,
+    attn_pairs: np.ndarray | None = None,
 ) -> CostParams:
     """Fit ``max(mem plane, compute plane)`` by alternating assignment.
 
@@ -129,32 +147,34 @@ def fit_max_planes(
     on its points, ridge-pulled toward ``prior`` (which alone decides a plane
     that no point supports). Several starts; the lowest weighted SSE wins.
     """
-    n = batch_tokens / _N_SCALE
-    kv = kv_tokens / _KV_SCALE
+    ones = np.ones(len(batch_tokens))
+    pairs = np.zeros(len(batch_tokens)) if attn_pairs is None else attn_pairs
+    mem_x = np.column_stack([ones, kv_tokens / _KV_SCALE])  # [points, 2]
+    comp_x = np.column_stack([ones, batch_tokens / _N_SCALE, pairs / _P_SCALE])  # [points, 3]
     sw = np.sqrt(weights)
     prior_mem = np.array([prior.mem_ms, prior.mem_ms_per_kv_token * _KV_SCALE])
-    prior_comp = np.array([prior.compute_ms, prior.compute_ms_per_token * _N_SCALE])
+    prior_comp = np.array([prior.compute_ms, prior.compute_ms_per_token * _N_SCALE,
+                           prior.compute_ms_per_pair * _P_SCALE])
     ridge = math.sqrt(prior_weight)
 
     def solve(x: np.ndarray, mask: np.ndarray, prior_vec: np.ndarray) -> np.ndarray:
-        design = np.column_stack([np.ones(mask.sum()), x[mask]]) * sw[mask, None]
-        target = verify_ms[mask] * sw[mask]
-        design = np.vstack([design, ridge * np.eye(2)])
-        target = np.concatenate([target, ridge * prior_vec])
+        design = np.vstack([x[mask] * sw[mask, None], ridge * np.eye(len(prior_vec))])
+        target = np.concatenate([verify_ms[mask] * sw[mask], ridge * prior_vec])
         return nnls(design, target)[0]
 
     def sse(mem: np.ndarray, comp: np.ndarray) -> float:
-        pred = np.maximum(mem[0] + mem[1] * kv, comp[0] + comp[1] * n)
+        pred = np.maximum(mem_x @ mem, comp_x @ comp)
         return float(np.sum(weights * (pred - verify_ms) ** 2))
 
-    starts = [np.zeros(len(n), dtype=bool), n > np.median(n), prior_comp[0] + prior_comp[1] * n > prior_mem[0] + prior_mem[1] * kv]
+    starts = [np.zeros(len(ones), dtype=bool), batch_tokens > np.median(batch_tokens),
+              comp_x @ prior_comp > mem_x @ prior_mem]
     best: tuple[float, np.ndarray, np.ndarray] | None = None
     for mask in starts:
         mem, comp = prior_mem, prior_comp
         for _ in range(iterations):
-            mem = solve(kv, ~mask, prior_mem)
-            comp = solve(n, mask, prior_comp)
-            new_mask = comp[0] + comp[1] * n > mem[0] + mem[1] * kv
+            mem = solve(mem_x, ~mask, prior_mem)
+            comp = solve(comp_x, mask, prior_comp)
+            new_mask = comp_x @ comp > mem_x @ mem
             if np.array_equal(new_mask, mask):
                 break
             mask = new_mask
@@ -168,6 +188,7 @@ def fit_max_planes(
         mem_ms_per_kv_token=float(mem[1] / _KV_SCALE),
         compute_ms=float(comp[0]),
         compute_ms_per_token=float(comp[1] / _N_SCALE),
+        compute_ms_per_pair=float(comp[2] / _P_SCALE),
     )
 
 
@@ -203,10 +224,11 @@ class StepCostModel:
         self.prior_weight = prior_weight
         self.max_cell_weight = max_cell_weight
         cells = BATCH_BITS * KV_BITS
-        # Per cell: weight, Σw·N, Σw·KV, Σw·T, Σw·T².
+        # Per cell: weight, Σw·N, Σw·KV, Σw·pairs, Σw·T, Σw·T².
         self._w = np.zeros(cells)
         self._n = np.zeros(cells)
         self._kv = np.zeros(cells)
+        self._pairs = np.zeros(cells)
         self._t = np.zeros(cells)
         self._t2 = np.zeros(cells)
         # Draft model normal equations over [spec, max_depth, nodes, level-KV (millions)].
@@ -214,14 +236,14 @@ class StepCostModel:
         self._draft_xty = np.zeros(4)
         self._draft_weight = 0.0
         # Observations since the last fold (bounded: folded every PENDING_FOLD).
-        self._pending: list[tuple[float, float, float]] = []
+        self._pending: list[tuple[float, float, float, float]] = []
         self._pending_draft: list[tuple[float, float, float, float, float]] = []
         self.samples = 0
         self.params = prior
         self.rmse_ms = 0.0
 
-    def observe_verify(self, batch_tokens: int, kv_tokens: int, verify_ms: float) -> None:
-        self._pending.append((batch_tokens, kv_tokens, verify_ms))
+    def observe_verify(self, batch_tokens: int, kv_tokens: int, verify_ms: float, attn_pairs: float = 0.0) -> None:
+        self._pending.append((batch_tokens, kv_tokens, verify_ms, attn_pairs))
         if len(self._pending) >= PENDING_FOLD:
             self._fold()
 
@@ -232,29 +254,29 @@ class StepCostModel:
             self._fold()
 
     def observe_step(self, batch_tokens: int, kv_tokens: int, max_depth: int, total_nodes: int,
-                     level_kv_tokens: float, draft_ms: float, verify_ms: float) -> None:
-        self.observe_verify(batch_tokens, kv_tokens, verify_ms)
+                     level_kv_tokens: float, draft_ms: float, verify_ms: float, attn_pairs: float = 0.0) -> None:
+        self.observe_verify(batch_tokens, kv_tokens, verify_ms, attn_pairs)
         self.observe_draft(max_depth, total_nodes, level_kv_tokens, draft_ms)
 
     def _fold(self) -> None:
         """Move buffered observations into the grid and the normal equations
         (vectorised: the per-step path only appends a tuple)."""
         if self._pending:
-            obs = np.asarray(self._pending, dtype=float)  # [steps, (N, KV, T)]
+            obs = np.asarray(self._pending, dtype=float)  # [steps, (N, KV, T, pairs)]
             self.samples += len(self._pending)
             self._pending.clear()
-            n, kv, t = obs[:, 0], obs[:, 1], obs[:, 2]
+            n, kv, t, pairs = obs[:, 0], obs[:, 1], obs[:, 2], obs[:, 3]
             # frexp's exponent of x >= 1 is int(x).bit_length(); 0 stays in cell 0.
             b = np.where(n >= 1, np.minimum(np.frexp(np.maximum(n, 1.0))[1], BATCH_BITS - 1), 0)
             k = np.where(kv >= 1, np.minimum(np.frexp(np.maximum(kv, 1.0))[1], KV_BITS - 1), 0)
             cells = b * KV_BITS + k
-            for arr, values in ((self._w, np.ones_like(t)), (self._n, n), (self._kv, kv), (self._t, t),
-                                (self._t2, t * t)):
+            for arr, values in ((self._w, np.ones_like(t)), (self._n, n), (self._kv, kv), (self._pairs, pairs),
+                                (self._t, t), (self._t2, t * t)):
                 np.add.at(arr, cells, values)
             over = self._w > self.max_cell_weight
             if over.any():  # forget the oldest evidence of busy cells
                 scale = np.where(over, self.max_cell_weight / np.maximum(self._w, 1e-12), 1.0)
-                for arr in (self._w, self._n, self._kv, self._t, self._t2):
+                for arr in (self._w, self._n, self._kv, self._pairs, self._t, self._t2):
                     arr *= scale
         if self._pending_draft:
             rows = np.asarray(self._pending_draft, dtype=float)  # [steps, (spec, depth, nodes, level-KV, y)]
@@ -278,10 +300,11 @@ class StepCostModel:
             n = self._n[used] / weights
             kv = self._kv[used] / weights
             t = self._t[used] / weights
-            params = fit_max_planes(n, kv, t, weights, self.prior, self.prior_weight)
+            pairs = self._pairs[used] / weights
+            params = fit_max_planes(n, kv, t, weights, self.prior, self.prior_weight, attn_pairs=pairs)
             # RMSE over every observation: within-cell spread plus fit error.
             t2 = self._t2[used] / weights
-            pred = params.verify_ms(n, kv)
+            pred = params.verify_ms(n, kv, pairs)
             mse = np.sum(weights * (t2 - 2 * t * pred + pred**2)) / weights.sum()
             self.rmse_ms = float(math.sqrt(max(mse, 0.0)))
         params = self._fit_draft(params)

@@ -128,6 +128,7 @@ async def _housekeeping(running: RunningServer, poll_interval_s: float) -> None:
         if now - last_poll >= poll_interval_s:
             last_poll = now
             running.policy_source.poll()
+            running.controller.forget_idle_workers()
         if running.status_site is not None:
             running.status_site.tick(plan.tick_s)
         await running.servicer.push_due_plans(plan.tick_s * plan.policy_cpu_fraction)

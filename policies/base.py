@@ -114,13 +114,16 @@ class CostEstimate(Protocol):
     """Fitted step-time model of one worker (milliseconds).
 
     ``verify_ms``: the target forward over ``batch_tokens`` (Σ 1 + nodes)
-    reading ``kv_tokens`` (Σ context lengths). ``draft_ms``: drafting for a
+    reading ``kv_tokens`` (Σ context lengths), its attention computing
+    ``attn_pairs`` query-key pairs (Σ (1 + nodes) · context length; 0 leaves
+    attention flops out). ``draft_ms``: drafting for a
     step whose deepest request drafts ``max_depth`` levels, whose requests
     draft ``total_nodes`` nodes in all and whose Σ depth_i·context_len_i is
     ``level_kv_tokens``.
     """
 
-    def verify_ms(self, batch_tokens: np.ndarray | float, kv_tokens: np.ndarray | float) -> np.ndarray | float:
+    def verify_ms(self, batch_tokens: np.ndarray | float, kv_tokens: np.ndarray | float,
+                  attn_pairs: np.ndarray | float = 0.0) -> np.ndarray | float:
         ...
 
     def draft_ms(

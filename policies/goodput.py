@@ -20,9 +20,17 @@ node costs ``compute_ms_per_token`` and only high-value nodes survive, often
 none: speculation off. Context length enters twice: acceptance is estimated
 per context bucket, and KV tokens lift the memory plane at long context.
 
+Depth caps: a draft level is one drafter forward for the whole batch, so a
+value-ordered prefix can buy one deep node with a whole level's draft time.
+Every row is solved under each depth cap ``L`` (each request's best-first
+list restricted to levels ``<= L``, all caps from one expansion) and the
+best cap wins, as the benchmark's oracle does.
+
 The table has one row per batch-size bucket, each solved on a
-representative batch whose context mix is the worker's observed mix (blended
-with a little of every bucket so every cell is solved). Exploration is
+representative batch whose context mix is the worker's observed mix; the
+row holding the current mean batch is solved at that batch itself. Context
+buckets with too little traffic take the nodes that beat the batch's
+marginal price. Exploration is
 Thompson sampling on a deterministic slice of requests: their decisions come
 from a posterior sample instead of the mean, so an option that looks bad —
 speculation that was switched off — keeps being re-tested, and forgetting in
@@ -227,13 +235,28 @@ def expected_max_depth(depths: np.ndarray, shares: np.ndarray, batch: float) -> 
     return out
 
 
+def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray, depths: np.ndarray,
+                   taken: np.ndarray, cost) -> np.ndarray:
+    """Expected tokens per second of a batch of groups (``counts`` requests of
+    ``contexts`` tokens each) that accept ``gained`` draft tokens in expectation
+    and whose requests draft ``taken[..., g]`` nodes in ``depths[..., g]`` levels:
+    ``Σ E[τ + 1] / (T_verify + T_draft)`` under ``cost``."""
+    batch = float(counts.sum())
+    kv_per_group = counts * contexts
+    extra = taken @ counts  # draft nodes in the batch
+    levels = expected_max_depth(depths, counts / batch, batch)
+    level_kv = depths @ kv_per_group
+    kv = float(kv_per_group.sum())
+    pairs = kv + taken @ kv_per_group  # Σ (1 + nodes) · context: attention's query-key pairs
+    step_ms = cost.verify_ms(batch + extra, kv, pairs) + cost.draft_ms(levels, extra, batch, level_kv)
+    return (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0
+
+
 def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost) -> np.ndarray:
-    """Expected tokens per second of a batch made of ``groups`` when group ``g``
-    drafts the first ``taken[..., g]`` nodes of its list (``[..., groups]`` in,
-    ``[...]`` out): ``Σ E[τ + 1] / (T_verify + T_draft)`` under ``cost``."""
+    """:func:`prefix_goodput` when group ``g`` drafts the first ``taken[..., g]`` nodes
+    of its list (``[..., groups]`` in, ``[...]`` out)."""
     counts = np.array([g.count for g in groups], dtype=np.float64)
     contexts = np.array([g.context_len for g in groups], dtype=np.float64)
-    batch = float(counts.sum())
     taken = np.asarray(taken, dtype=np.int64)
     gained = np.zeros(taken.shape[:-1])
     depths = np.zeros(taken.shape, dtype=np.int64)
@@ -241,12 +264,7 @@ def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost) -> np.nd
         cumulative = np.concatenate([[0.0], np.cumsum(g.nodes.values)])
         gained = gained + counts[i] * cumulative[taken[..., i]]
         depths[..., i] = g.nodes.depth[taken[..., i]]
-    extra = taken @ counts  # draft nodes in the batch
-    levels = expected_max_depth(depths, counts / batch, batch)
-    level_kv = depths @ (counts * contexts)
-    kv = float(counts @ contexts)
-    step_ms = cost.verify_ms(batch + extra, kv) + cost.draft_ms(levels, extra, batch, level_kv)
-    return (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0
+    return prefix_goodput(counts, contexts, gained, depths, taken, cost)
 
 
 def allocate(groups: Sequence[BatchGroup], cost, min_gain: float = 0.0) -> Allocation:
@@ -256,25 +274,64 @@ def allocate(groups: Sequence[BatchGroup], cost, min_gain: float = 0.0) -> Alloc
     ranking takes a prefix of each group's list — a valid tree per request.
     Groups with no requests take no nodes.
     """
-    live = [i for i, g in enumerate(groups) if g.count > 0]
-    groups_live = [groups[i] for i in live]
-    if not groups_live:
-        return Allocation((0,) * len(groups), 0.0, 0.0)
-    values = np.concatenate([g.nodes.values for g in groups_live])
-    group_of = np.concatenate([np.full(len(g.nodes.values), i) for i, g in enumerate(groups_live)]).astype(int)
-    order = np.lexsort((np.arange(len(values)), -values))  # by value, stable within a group
-    # taken[p, g]: nodes group g holds in prefix p.  # [candidates + 1, groups]
-    onehot = np.zeros((len(order), len(groups_live)), dtype=np.int64)
-    onehot[np.arange(len(order)), group_of[order]] = 1
-    taken = np.vstack([np.zeros((1, len(groups_live)), dtype=np.int64), np.cumsum(onehot, axis=0)])
-    goodput = step_goodput(groups_live, taken, cost)
-    best = int(np.argmax(goodput))
-    if goodput[best] < goodput[0] * (1.0 + min_gain):
-        best = 0
-    nodes = [0] * len(groups)
-    for i, n in zip(live, taken[best]):
-        nodes[i] = int(n)
-    return Allocation(tuple(nodes), float(goodput[best]), float(goodput[0]))
+    prefixes = PrefixTable([[g.nodes for g in groups]])
+    _, allocation = prefixes.best([g.count for g in groups], [g.context_len for g in groups], cost, min_gain)
+    return allocation
+
+
+class PrefixTable:
+    """Every prefix of the merged best-first ranking of some groups' node lists,
+    under each of several depth caps (``lists_by_cap[k][g]``: group ``g``'s list
+    under the ``k``-th cap).
+
+    The prefixes depend only on the lists; a batch (how many requests each
+    group has, and their context) only prices them, so one table serves every
+    batch size of a plan.
+    """
+
+    def __init__(self, lists_by_cap: Sequence[Sequence[NodeList]]) -> None:
+        n_groups = len(lists_by_cap[0])
+        takens, caps, gains, depths = [], [], [], []
+        group_ix = np.arange(n_groups)[None, :]
+        for k, lists in enumerate(lists_by_cap):
+            values = np.concatenate([nodes.values for nodes in lists])
+            group_of = np.concatenate([np.full(len(nodes.values), g) for g, nodes in enumerate(lists)]).astype(np.int64)
+            order = np.lexsort((np.arange(len(values)), -values))  # by value, stable within a group
+            # taken[p, g]: nodes group g holds in prefix p.  # [candidates + 1, groups]
+            onehot = np.zeros((len(order) + 1, n_groups), dtype=np.int64)
+            onehot[np.arange(1, len(order) + 1), group_of[order]] = 1
+            taken = np.cumsum(onehot, axis=0)
+            longest = max(len(nodes.values) for nodes in lists)
+            cumulative = np.zeros((n_groups, longest + 1))
+            depth_of = np.zeros((n_groups, longest + 1), dtype=np.int64)
+            for g, nodes in enumerate(lists):
+                m = len(nodes.values)
+                cumulative[g, 1 : m + 1] = np.cumsum(nodes.values)
+                depth_of[g, : m + 1] = nodes.depth
+            takens.append(taken)
+            caps.append(np.full(len(taken), k))
+            gains.append(cumulative[group_ix, taken])
+            depths.append(depth_of[group_ix, taken])
+        self.taken = np.concatenate(takens)  # [prefixes, groups]
+        self.cap_of = np.concatenate(caps)  # [prefixes]
+        self.gained = np.concatenate(gains)  # [prefixes, groups]: expected accepted tokens per request
+        self.depths = np.concatenate(depths)  # [prefixes, groups]
+
+    def best(self, counts: Sequence[float], contexts: Sequence[float], cost,
+             min_gain: float = 0.0) -> tuple[int, Allocation]:
+        """The best cap's index and its allocation for a batch of ``counts``
+        requests per group; speculation must beat off by ``min_gain``."""
+        counts = np.asarray(counts, dtype=np.float64)
+        if counts.sum() <= 0:
+            return 0, Allocation((0,) * len(counts), 0.0, 0.0)
+        goodput = prefix_goodput(counts, np.asarray(contexts, dtype=np.float64), self.gained @ counts,
+                                 self.depths, self.taken, cost)
+        best = int(np.argmax(goodput))
+        off = float(goodput[0])  # the first prefix of the first cap: no nodes at all
+        if goodput[best] < off * (1.0 + min_gain):
+            best = 0
+        nodes = tuple(int(n) if c > 0 else 0 for n, c in zip(self.taken[best], counts))
+        return int(self.cap_of[best]), Allocation(nodes, float(goodput[best]), off)
 
 
 def representative_batch_size(edges: Sequence[int], bucket: int) -> float:
@@ -308,25 +365,16 @@ def observed_mix(obs: Observation) -> tuple[np.ndarray, np.ndarray]:
     return share / share.sum(), means
 
 
-def mix_groups(obs: Observation, batch: float, node_lists: Sequence[NodeList],
-               buckets: Sequence[int]) -> list[BatchGroup]:
-    """A representative batch of ``batch`` requests drawn from the observed context
-    mix: one group per bucket in ``buckets``, with that bucket's node list."""
-    share, means = observed_mix(obs)
-    return [BatchGroup(batch * share[c], means[c], node_lists[c]) for c in buckets]
-
-
 def table_goodput(table: DecisionTable, obs: Observation) -> float:
     """Estimated tokens per second of ``table`` at the worker's current load
     (a batch of the mean batch size drawn from the observed context mix)."""
     batch = max(1.0, obs.load.mean_batch_size)
-    share, _ = observed_mix(obs)
-    buckets = [int(c) for c in np.flatnonzero(share)]
-    lists = {}
-    for c in buckets:
+    share, means = observed_mix(obs)
+    groups = []
+    for c in np.flatnonzero(share):
         d = table.lookup(max(1, round(batch)), obs.context_edges[c])
-        lists[c] = best_first_nodes(obs.acceptance.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0)
-    groups = mix_groups(obs, batch, lists, buckets)
+        nodes = best_first_nodes(obs.acceptance.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0)
+        groups.append(BatchGroup(batch * share[c], means[c], nodes))
     taken = np.array([len(g.nodes.values) for g in groups])
     return float(step_goodput(groups, taken, obs.cost))
 
@@ -348,8 +396,9 @@ class GoodputPolicy(Policy[GoodputConfig]):
         nodes = min(cfg.max_nodes or d.max_tree_nodes, d.max_tree_nodes)
         return depth, width, nodes
 
-    def solve_row(self, obs: Observation, lists_by_cap: Sequence[Sequence[NodeList]],
-                  batch_bucket: int, batch: float | None = None) -> tuple[int, list[int], float]:
+    def solve_row(self, obs: Observation, lists_by_cap: Sequence[Sequence[NodeList]], batch_bucket: int,
+                  batch: float | None = None, prefixes: tuple[list[int], list[int], PrefixTable] | None = None,
+                  ) -> tuple[int, list[int], float]:
         """Depth cap and nodes per request for every context bucket at one batch size
         (``batch``; default: the bucket's representative size).
 
@@ -362,28 +411,27 @@ class GoodputPolicy(Policy[GoodputConfig]):
         would join that batch as a few requests, so they take every node of
         the winning cap whose value beats the batch's marginal price: a node
         of value ``v`` costing ``δ`` ms raises the goodput ``G = tokens / T``
-        iff ``v > G · δ``. Returns (cap, nodes per bucket, goodput).
+        iff ``v > G · δ``. ``prefixes``: :meth:`prefix_table` of these lists,
+        when the caller solves many rows. Returns (cap, nodes per bucket, goodput).
         """
-        share, _ = observed_mix(obs)
+        share, means = observed_mix(obs)
         if batch is None:
             batch = representative_batch_size(obs.batch_edges, batch_bucket)
-        served = [c for c in range(len(share)) if share[c] >= self.config.min_share]
-        best: tuple[int, Allocation, list[BatchGroup]] | None = None
-        for cap, node_lists in enumerate(lists_by_cap, start=1):
-            if cap > 1 and node_lists is lists_by_cap[cap - 2]:
-                continue  # no bucket has a node at this level: same as the cap above
-            groups = mix_groups(obs, batch, node_lists, served)
-            allocation = allocate(groups, obs.cost, self.config.min_gain)
-            if best is None or allocation.goodput_tok_s > best[1].goodput_tok_s:
-                best = (cap, allocation, groups)
-        cap, allocation, groups = best
+        served, distinct, table = prefixes or self.prefix_table(obs, lists_by_cap)
+        counts = [batch * share[c] for c in served]
+        contexts = [means[c] for c in served]
+        index, allocation = table.best(counts, contexts, obs.cost, self.config.min_gain)
+        cap = distinct[index] + 1
         nodes = dict(zip(served, allocation.nodes_per_group))
-        batch_tokens = batch + sum(g.count * nodes[c] for g, c in zip(groups, served))
-        kv = sum(g.count * g.context_len for g in groups)
+        batch_tokens = batch + sum(n * nodes[c] for n, c in zip(counts, served))
+        kv = sum(n * ctx for n, ctx in zip(counts, contexts))
+        pairs = kv + sum(n * nodes[c] * ctx for n, c, ctx in zip(counts, served, contexts))
         # Price a node by the cost of a tenth of the batch adding one each, not
         # by the slope at a point: the optimum often sits right at the roofline's kink.
         span = max(1.0, 0.1 * batch)
-        verify_step = float(obs.cost.verify_ms(batch_tokens + span, kv) - obs.cost.verify_ms(batch_tokens, kv)) / span
+        mean_ctx = kv / max(batch, 1e-9)
+        verify_step = float(obs.cost.verify_ms(batch_tokens + span, kv, pairs + span * mean_ctx)
+                            - obs.cost.verify_ms(batch_tokens, kv, pairs)) / span
         node_ms = verify_step + float(obs.cost.draft_ms(0, 1, batch) - obs.cost.draft_ms(0, 0, batch))
         price = allocation.goodput_tok_s / 1000.0 * node_ms * (1.0 + self.config.min_gain)
         chosen = lists_by_cap[cap - 1]
@@ -392,11 +440,30 @@ class GoodputPolicy(Policy[GoodputConfig]):
                 nodes[c] = int(np.count_nonzero(chosen[c].values > price))
         return cap, [nodes[c] for c in range(len(chosen))], allocation.goodput_tok_s
 
-    def node_lists(self, obs: Observation, rank_probs: Sequence[np.ndarray]) -> list[list[NodeList]]:
-        """``[cap - 1][bucket]`` best-first node lists within the limits, one expansion per bucket;
-        a cap whose lists equal the one above is that same list object."""
+    def prefix_table(self, obs: Observation,
+                     lists_by_cap: Sequence[Sequence[NodeList]]) -> tuple[list[int], list[int], PrefixTable]:
+        """(served buckets, distinct caps (0-based), their :class:`PrefixTable`) for ``solve_row``."""
+        share, _ = observed_mix(obs)
+        served = [c for c in range(len(share)) if share[c] >= self.config.min_share]
+        distinct = [k for k in range(len(lists_by_cap)) if k == 0 or lists_by_cap[k] is not lists_by_cap[k - 1]]
+        return served, distinct, PrefixTable([[lists_by_cap[k][c] for c in served] for k in distinct])
+
+    def node_lists(self, obs: Observation, rank_probs: Sequence[np.ndarray | None]) -> list[list[NodeList]]:
+        """``[cap - 1][bucket]`` best-first node lists within the limits, one expansion per
+        distinct ``q`` (buckets never observed share the prior's); a cap whose lists equal
+        the one above is that same list object. A ``None`` bucket gets no nodes."""
         depth, width, nodes = self.limits(obs)
-        per_bucket = [capped_node_lists(q, depth, width, nodes) for q in rank_probs]
+        empty = capped_node_lists(np.zeros((0, 0)), depth, width, nodes)
+        by_q: dict[bytes, list[NodeList]] = {}
+        per_bucket = []
+        for q in rank_probs:
+            if q is None:
+                per_bucket.append(empty)
+                continue
+            key = q.tobytes()
+            if key not in by_q:
+                by_q[key] = capped_node_lists(q, depth, width, nodes)
+            per_bucket.append(by_q[key])
         out: list[list[NodeList]] = []
         for cap in range(depth):
             lists = [b[cap] for b in per_bucket]
@@ -412,10 +479,11 @@ class GoodputPolicy(Policy[GoodputConfig]):
         # where the worker runs, and a bucket's representative size may sit on the
         # other side of the roofline's kink.
         current = bucket_index(obs.batch_edges, max(1, round(obs.load.mean_batch_size)))
+        prefixes = self.prefix_table(obs, lists_by_cap)
         rows, goodputs = [], []
         for b in range(len(obs.batch_edges)):
             batch = max(1.0, obs.load.mean_batch_size) if b == current else None
-            cap, nodes_per_bucket, goodput = self.solve_row(obs, lists_by_cap, b, batch)
+            cap, nodes_per_bucket, goodput = self.solve_row(obs, lists_by_cap, b, batch, prefixes)
             rows.append([lists_by_cap[cap - 1][c].decision(m) for c, m in enumerate(nodes_per_bucket)])
             goodputs.append(goodput)
         table = DecisionTable.from_rows(rows, obs.batch_edges, obs.context_edges)
@@ -432,7 +500,12 @@ class GoodputPolicy(Policy[GoodputConfig]):
             return {}, {}
         batch = max(1, len(obs.active_requests))
         batch_bucket = bucket_index(obs.batch_edges, batch)
-        sampled = [obs.acceptance.sample_rank_probs(c, rng) for c in range(len(obs.context_edges))]
+        share, _ = observed_mix(obs)
+        # Only the buckets that shape the batch (served) and those of the probes matter here.
+        wanted = {c for c in range(len(share)) if share[c] >= self.config.min_share}
+        wanted |= {bucket_index(obs.context_edges, obs.active_requests[rid]) for rid in probes}
+        sampled = [obs.acceptance.sample_rank_probs(c, rng) if c in wanted else None
+                   for c in range(len(obs.context_edges))]
         lists_by_cap = self.node_lists(obs, sampled)
         cap, nodes_per_bucket, _ = self.solve_row(obs, lists_by_cap, batch_bucket, float(batch))
         overrides, reasons = {}, {}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+import json
 import asyncio
 import logging
 import sys
@@ -43,6 +45,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.retrain_loop:
+        from specctl.retrain_loop import LoopConfig, run_retrain_loop
+
+        report = run_retrain_loop(LoopConfig(work_dir=str(Path(args.out) / "retrain-loop")))
+        path = Path(args.out) / "retrain-loop.json"
+        path.write_text(json.dumps(report, indent=1))
+        print(f"report: {path}")
+        return 0
     if args.real:
         from worker.demo_real import run_real_demo
 
@@ -139,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--real", action="store_true",
                       help="controller + a real SmolLM2 worker (engine, drafter, HTTP) + load from 1 to 8, chat to code")
     demo.add_argument("--drafter", default="eagle", help="with --real: none, ngram, medusa or eagle")
+    demo.add_argument("--retrain-loop", action="store_true",
+                      help="drift alert -> `specctl train-heads` -> worker rolls to new heads -> alert resolves "
+                           "(real SmolLM2 worker, Medusa heads trained on chat meeting code; a few minutes)")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")

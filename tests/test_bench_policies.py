@@ -97,8 +97,8 @@ def test_tiny_suite_fields_determinism_and_oracle_ceiling(tmp_path):
     assert numbers(written) == numbers(first)
     assert (tmp_path / "a" / "policies.png").stat().st_size > 0
     assert (tmp_path / "a" / "policies-speed.png").stat().st_size > 0
-    assert (tmp_path / "a" / "series-tiny.png").stat().st_size > 0
-    series = json.loads((tmp_path / "a" / "series.json").read_text())["tiny"]
+    assert (tmp_path / "a" / "policies-series-tiny.png").stat().st_size > 0
+    series = json.loads((tmp_path / "a" / "policies-series.json").read_text())["tiny"]
     assert {"goodput_tok_s", "mean_depth", "t_s"} <= set(series["goodput"])
     assert any(a is not None for a in series["oracle"]["true_alpha1"])
 
@@ -166,12 +166,18 @@ def test_quick_cli_run_writes_results_and_goal_verdicts(tmp_path):
     entry = report["scenarios"]["threshold-cliff"]
     assert set(entry["policies"]) == {"goodput", "vllm-batch-table", "trtllm-concurrency", "best_static", "oracle"}
     goals = entry["goals"]
-    assert {"vs_oracle>=0.95", "vs_best_baseline>=0.98", "vs_vllm-batch-table>=1.3", "vs_trtllm-concurrency>=1.3"} <= set(goals)
-    for goal in goals.values():
+    assert {"vs_oracle>=0.95", "vs_best_baseline>=0.98", "vs_vllm-batch-table>=1.3",
+            "vs_trtllm-concurrency>=1.3"} <= set(goals)
+    policies = entry["policies"]
+    for key, goal in goals.items():
         assert goal["met"] == (goal["value"] >= float(goal_threshold(goal, goals)))
+    for rival in ("vllm-batch-table", "trtllm-concurrency"):  # the oracle's own ratio: what any policy could reach
+        ceiling = goals[f"vs_{rival}>=1.3"]["ceiling"]
+        oracle_ratio = policies["oracle"]["goodput_tok_s"] / policies[rival]["goodput_tok_s"]
+        assert ceiling == pytest.approx(oracle_ratio, abs=1e-3)
     oracle = entry["policies"]["oracle"]["goodput_tok_s"]
     assert all(p["goodput_tok_s"] <= oracle * 1.02 for p in entry["policies"].values())
-    assert (out / "series-threshold-cliff.png").stat().st_size > 0
+    assert (out / "policies-series-threshold-cliff.png").stat().st_size > 0
     assert "threshold-cliff" in proc.stdout
 
 

@@ -78,3 +78,32 @@ def test_draft_fit_follows_an_autoregressive_drafter_at_long_context() -> None:
         got = fit.draft_ms(depth, batch * depth, batch, batch * depth * ctx)
         assert got == pytest.approx(expected, rel=0.15), (batch, depth, ctx)
     assert fit.draft_ms_per_level_kv_token > 0
+
+
+def test_a_restarted_worker_may_number_its_steps_from_one_again() -> None:
+    ctl = Controller(ServerConfig(), load_preset("goodput"))
+    worker = SyntheticWorker(lambda ctx: 0.7, seed=2)
+    state = ctl.hello(make_hello("w-restart"))
+    steps = [step_to_proto(worker.step(lambda *_: Decision.chain(2), 2, 100)) for _ in range(5)]
+    assert ctl.ingest(state, worker_pb2.StepReports(steps=steps)) == []
+    stale = ctl.ingest(state, worker_pb2.StepReports(steps=steps[:1]))  # same stream: stale, refused
+    assert [r.reason for r in stale] == [plan_pb2.REJECT_REASON_STALE_STEP]
+    state = ctl.hello(make_hello("w-restart"))  # the process restarted: new Hello, ids from 1
+    assert ctl.ingest(state, worker_pb2.StepReports(steps=steps[:2])) == []
+    assert state.steps_ingested == 7
+
+
+def test_workers_disconnected_long_enough_are_forgotten() -> None:
+    now = [1000.0]
+    ctl = Controller(ServerConfig(forget_worker_after_s=60), load_preset("goodput"), clock=lambda: now[0])
+    for wid in ("gone", "back", "live"):
+        ctl.hello(make_hello(wid))
+    ctl.disconnect(ctl.workers["gone"])
+    ctl.disconnect(ctl.workers["back"])
+    now[0] += 30
+    assert ctl.forget_idle_workers() == []
+    ctl.hello(make_hello("back"))  # reconnected in time
+    now[0] += 31
+    assert ctl.forget_idle_workers() == ["gone"]
+    assert sorted(ctl.workers) == ["back", "live"]
+    assert not any(key[0] == "gone" for key in ctl.accept_counts)

@@ -50,7 +50,7 @@ def _worker(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     opts = WorkerOptions(model=args.model, drafter=args.drafter, heads=args.heads, controller=args.controller,
                          listen=args.listen, worker_id=args.worker_id, max_batch=args.max_batch,
-                         fallback_depth=args.fallback_depth, static=args.static)
+                         fallback_depth=args.fallback_depth, static=args.static, heads_poll_s=args.heads_poll)
     try:
         return run_worker(opts)
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
@@ -103,6 +103,8 @@ def add_worker_commands(sub) -> None:
     wk.add_argument("--model", default="smollm2-135m")
     wk.add_argument("--drafter", default="eagle", choices=["none", "ngram", "medusa", "eagle"])
     wk.add_argument("--heads", help="heads directory (default: cached heads, trained on first use)")
+    wk.add_argument("--heads-poll", type=float, default=0.0, metavar="S",
+                    help="check --heads every S seconds and roll to new heads a retraining job wrote (0 = off)")
     wk.add_argument("--controller", help="HOST:PORT of the controller (omit: static decisions)")
     wk.add_argument("--listen", default="127.0.0.1:8471", help="HOST:PORT of the HTTP endpoint")
     wk.add_argument("--worker-id", default="", help="default: ref-<hostname>-<port>")

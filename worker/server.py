@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import torch
 
@@ -63,6 +64,9 @@ class WorkerOptions:
     max_depth: int = 6
     max_width: int = 4
     max_tree_nodes: int = 24
+    # Seconds between checks of the heads directory for a new version (0 = never):
+    # a retraining job writes new heads there and the worker rolls to them.
+    heads_poll_s: float = 0.0
 
 
 def parse_static(text: str, default: Decision) -> Decision:
@@ -154,6 +158,10 @@ class ReferenceWorker:
         else:
             decide, observer = static_decide(parse_static(opts.static, fallback)), None
         self.engine = Engine(model, drafter, decide, observer=observer, max_batch=opts.max_batch)
+        self.model_name = model_name
+        self.rollouts: list[tuple[float, str, str]] = []  # (time, old version, new version)
+        self._next_drafter = None  # built off the engine thread, swapped in between two steps
+        self._heads_checked = time.monotonic()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -192,6 +200,7 @@ class ReferenceWorker:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
+            self._maybe_roll_heads()
             if not self.engine.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -207,6 +216,43 @@ class ReferenceWorker:
                 from worker.engine.kv import BatchKV
 
                 self.engine.kv = BatchKV.empty(self.model)
+
+    # ------------------------------------------------------------ roll-out
+    def _maybe_roll_heads(self) -> None:
+        """Between two engine steps: swap in heads a retraining job wrote.
+
+        The heads' ``<kind>.json`` is written after the weights, so a version
+        seen there is complete. Requests in flight keep going with the new
+        heads: they draft from the next hidden state the engine hands the
+        drafter (an EAGLE head sees only the context from the swap on), and
+        the output stays exact since verification decides every token. The
+        agent announces the new version on its live stream, so the
+        controller starts a new baseline for it.
+        """
+        if self.opts.heads_poll_s <= 0 or not self.opts.heads or self.engine.drafter is None:
+            return
+        now = time.monotonic()
+        if now - self._heads_checked < self.opts.heads_poll_s:
+            return
+        self._heads_checked = now
+        old = self.engine.drafter
+        version = _heads_version_on_disk(self.opts.heads, old.kind)
+        if not version or version == old.version:
+            return
+        try:
+            new = build_drafter(old.kind, self.model, self.opts.heads, self.model_name, self.opts.max_depth,
+                                self.opts.max_width, self.opts.max_tree_nodes, log_fn=log.info)
+        except (OSError, ValueError, RuntimeError) as err:  # a half-copied directory: try at the next poll
+            log.warning("cannot load new %s heads from %s: %s", old.kind, self.opts.heads, err)
+            return
+        for row in self.engine.rows:
+            old.release(row.req.request_id)
+        self.engine.drafter = new
+        self.hello = make_hello(self.worker_id, self.model_name, self.model, new, self.opts.max_batch)
+        if self.agent is not None:
+            self.agent.roll_drafter(self.hello.drafter)
+        self.rollouts.append((time.time(), old.version, new.version))
+        log.info("rolled %s heads %s -> %s", old.kind, old.version, new.version)
 
     # ------------------------------------------------------------ requests
     def encode(self, text: str) -> list[int]:
@@ -312,6 +358,13 @@ def _handler(worker: ReferenceWorker):
                 self._send(500, {"error": f"{type(err).__name__}: {err}"})
 
     return Handler
+
+
+def _heads_version_on_disk(directory: str, kind: str) -> str:
+    try:
+        return str(json.loads((Path(directory) / f"{kind}.json").read_text()).get("version", ""))
+    except (OSError, ValueError):
+        return ""
 
 
 def load_worker(opts: WorkerOptions, log_fn=print) -> ReferenceWorker:

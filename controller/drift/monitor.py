@@ -264,7 +264,12 @@ class _Stratum:
         self.lo = edges[bucket]
         self.hi = edges[bucket + 1] if bucket + 1 < len(edges) else 0
         L = version.trained_context_len
-        self.beyond = L > 0 and (self.hi == 0 or self.hi > L)
+        # A bucket that starts past the trained length is "beyond": its acceptance
+        # is expected to fall, and that is the EXTEND_TRAINING_CONTEXT finding's
+        # business. A bucket that merely reaches past L (heads trained on short
+        # answers, say 300 tokens, and the [0, 1024) bucket) is still watched for
+        # content drift; its traffic past L is counted by the context-share detector.
+        self.beyond = L > 0 and self.lo >= L
         self.chi2 = AcceptLengthChiSquare(version.max_depth, version.max_width, n_baseline=config.baseline_steps,
                                           window=config.window, n_bootstrap=config.n_bootstrap, seed=seed)
         self.weights: np.ndarray | None = None  # [drops, bins]

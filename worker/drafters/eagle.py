@@ -178,8 +178,7 @@ class EagleDrafter:
 
         # level 1 from the root's predicted feature
         root_feats = torch.stack([st.last_out for st in states])
-        self._add_children(nodes, [-1] * len(active), root_feats, decs, [0.0] * len(active), level=1,
-                           parent_nodes=[None] * len(active))
+        self._add_children(nodes, [-1] * len(active), root_feats, decs, [0.0] * len(active), level=1)
         # draft-local KV of expanded nodes, per row
         local_k: list[list[torch.Tensor]] = [[] for _ in active]
         local_v: list[list[torch.Tensor]] = [[] for _ in active]
@@ -226,7 +225,7 @@ class EagleDrafter:
                     lmask[q, a, e + a] = True  # padding queries see themselves only
             outs, k, v = self._run([states[r] for r in rows], feats, self.embed(toks).float(), positions,
                                    lk, lv, lmask)
-            parents_idx, parent_feats, parent_scores, parent_nodes_list, row_ids = [], [], [], [], []
+            parents_idx, parent_feats, parent_scores, row_ids = [], [], [], []
             for q, r in enumerate(rows):
                 for a, j in enumerate(frontier[r]):
                     n = nodes[r][j]
@@ -248,7 +247,7 @@ class EagleDrafter:
         p, idx = probs.topk(width, -1)
         return self.vocab_map[idx].tolist(), p.tolist()
 
-    def _add_children(self, nodes, parents, feats, decs, scores, level, parent_nodes) -> None:
+    def _add_children(self, nodes, parents, feats, decs, scores, level) -> None:
         width = max(d.width for d in decs)
         toks, probs = self._topk(feats, width)
         for r in range(len(nodes)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,8 +70,12 @@ class HeadsBundle:
         if not self.version:
             self.seal()
         save_file(self._state(), str(directory / f"{self.kind}.safetensors"))
-        (directory / f"{self.kind}.json").write_text(json.dumps(
+        # The JSON names the version and goes last, atomically: a worker polling
+        # the directory never sees a version whose weights are still being written.
+        tmp = directory / f".{self.kind}.json.tmp"
+        tmp.write_text(json.dumps(
             {"kind": self.kind, "version": self.version, "config": self.config, "meta": self.meta}, indent=1))
+        os.replace(tmp, directory / f"{self.kind}.json")
         return directory
 
     @classmethod
