@@ -144,8 +144,8 @@ class StratumPosterior:
             old_s = np.where(follow, moved, old_s)
             old_f = np.where(follow, old_n - moved, old_f)
             with np.errstate(invalid="ignore"):  # NaN anchor: a cell that never had data keeps its prior
-                moved = np.abs(reference / self._anchor - 1.0) > STALE_CHANGE
-                stale = (fresh == 0) & (old_n > STALE_EVIDENCE) & moved
+                drifted = np.abs(reference / self._anchor - 1.0) > STALE_CHANGE
+                stale = (fresh == 0) & (old_n > STALE_EVIDENCE) & drifted
             shrink = np.where(stale, STALE_EVIDENCE / np.maximum(old_n, 1e-12), 1.0)
             old_s, old_f = old_s * shrink, old_f * shrink
             self._carried = reference

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
-from dataclasses import asdict
 
 import numpy as np
 import pytest

@@ -20,7 +20,7 @@ import heapq
 import inspect
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from policies.table import Decision

@@ -42,7 +42,7 @@ from policies.table import Decision
 from worker.sim.acceptance import AcceptanceModel, Ramp, Setpoint
 from worker.sim.hardware import CostModel
 from worker.sim.scenario import DriftChange, Scenario, Traffic, WorkerSpec
-from worker.sim.traffic import Arrival, TrafficGenerator
+from worker.sim.traffic import TrafficGenerator
 from worker.sim.tree import EMPTY_TREE, TreeCache, chain_tree, quantize, sample_outcomes
 from worker.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
 
