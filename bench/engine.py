@@ -44,9 +44,7 @@ same batch. ``mean_accepted``: mean τ per row-step.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -154,30 +152,12 @@ def eval_prompts(n: int, held_out: float = 0.1):
     return out
 
 
-class _Controller:
-    """An in-process controller on a background event loop."""
-
-    def __init__(self, policy: str) -> None:
-        from controller.config import PlanSettings, ServerConfig, StoreSettings
-        from controller.server import start_server
-
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True, name="bench-controller").start()
-        plan = PlanSettings(recompute_interval_s=0.5, min_push_interval_s=0.5)
-        cfg = ServerConfig(listen="127.0.0.1:0", policy=policy, plan=plan, store=StoreSettings(path=""))
-        self.running = asyncio.run_coroutine_threadsafe(start_server(cfg), self.loop).result(30)
-        self.address = self.running.address
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.running.stop(0), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-135m", batches=(1, 4, 8),
                      prompts: int = 8, max_new_tokens: int = 48, depths=(2, 4),
                      drafters=("ngram", "medusa", "eagle", "oracle"), policy: str = "goodput",
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True) -> int:
 
+    from controller.background import BackgroundController, in_process_config
     from worker.cli import set_threads
     from worker.drafters.oracle import OracleDrafter
     from worker.engine.engine import Engine, static_decide
@@ -197,7 +177,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
     learned = [d for d in drafters if d in ("ngram", "medusa", "eagle")]
     built = {d: build_drafter(d, model, heads_dir, model_name) for d in learned}
-    controller = _Controller(policy) if policy and learned else None
+    controller = BackgroundController(in_process_config(policy)) if policy and learned else None
     agents = {}
     if controller is not None:
         from worker.agent import AgentOptions, SpeculationAgent

@@ -10,6 +10,15 @@ from controller.config import ServerConfig
 from controller.server import RunningServer, start_server
 
 
+def in_process_config(policy: str, interval_s: float = 0.5, **overrides) -> ServerConfig:
+    """A loopback controller config for demos and benchmarks: a free port,
+    plans recomputed every ``interval_s``, the drift store in memory."""
+    return ServerConfig.model_validate({
+        "listen": "127.0.0.1:0", "policy": policy,
+        "plan": {"recompute_interval_s": interval_s, "min_push_interval_s": interval_s},
+        "store": {"path": ""}, **overrides})
+
+
 class BackgroundController:
     """``start_server(config)`` on a daemon thread's event loop.
 

@@ -314,37 +314,23 @@ async def _next(iterator: AsyncIterator):
         return None
 
 
+# rpc -> (handler kind, request type, response type); requests parse leniently (see ``lenient_parser``).
+RPCS = {
+    "Connect": (grpc.stream_stream_rpc_method_handler, worker_pb2.WorkerMessage, plan_pb2.ControllerMessage),
+    "Decide": (grpc.unary_unary_rpc_method_handler, controller_pb2.DecideRequest, controller_pb2.DecideResponse),
+    "GetStatus": (grpc.unary_unary_rpc_method_handler, controller_pb2.GetStatusRequest,
+                  controller_pb2.GetStatusResponse),
+    "WatchAlerts": (grpc.unary_stream_rpc_method_handler, controller_pb2.WatchAlertsRequest, controller_pb2.DriftAlert),
+    "AckAlert": (grpc.unary_unary_rpc_method_handler, controller_pb2.AckAlertRequest, controller_pb2.AckAlertResponse),
+    "ReloadPolicy": (grpc.unary_unary_rpc_method_handler, controller_pb2.ReloadPolicyRequest,
+                     controller_pb2.ReloadPolicyResponse),
+}
+
+
 def rpc_handlers(servicer: SpeculationControllerServicer) -> grpc.GenericRpcHandler:
     handlers = {
-        "Connect": grpc.stream_stream_rpc_method_handler(
-            servicer.Connect,
-            request_deserializer=lenient_parser(worker_pb2.WorkerMessage),
-            response_serializer=plan_pb2.ControllerMessage.SerializeToString,
-        ),
-        "Decide": grpc.unary_unary_rpc_method_handler(
-            servicer.Decide,
-            request_deserializer=lenient_parser(controller_pb2.DecideRequest),
-            response_serializer=controller_pb2.DecideResponse.SerializeToString,
-        ),
-        "GetStatus": grpc.unary_unary_rpc_method_handler(
-            servicer.GetStatus,
-            request_deserializer=lenient_parser(controller_pb2.GetStatusRequest),
-            response_serializer=controller_pb2.GetStatusResponse.SerializeToString,
-        ),
-        "WatchAlerts": grpc.unary_stream_rpc_method_handler(
-            servicer.WatchAlerts,
-            request_deserializer=lenient_parser(controller_pb2.WatchAlertsRequest),
-            response_serializer=controller_pb2.DriftAlert.SerializeToString,
-        ),
-        "AckAlert": grpc.unary_unary_rpc_method_handler(
-            servicer.AckAlert,
-            request_deserializer=lenient_parser(controller_pb2.AckAlertRequest),
-            response_serializer=controller_pb2.AckAlertResponse.SerializeToString,
-        ),
-        "ReloadPolicy": grpc.unary_unary_rpc_method_handler(
-            servicer.ReloadPolicy,
-            request_deserializer=lenient_parser(controller_pb2.ReloadPolicyRequest),
-            response_serializer=controller_pb2.ReloadPolicyResponse.SerializeToString,
-        ),
+        name: kind(getattr(servicer, name), request_deserializer=lenient_parser(request),
+                   response_serializer=response.SerializeToString)
+        for name, (kind, request, response) in RPCS.items()
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, guard_handlers(handlers, servicer.auth))

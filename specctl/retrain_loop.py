@@ -113,34 +113,31 @@ class _AlertLog:
 
 
 class _Traffic:
-    """Closed-loop clients on the worker's HTTP endpoint; the mix can change."""
+    """Closed-loop clients on the worker's HTTP endpoint (``worker.load.run_phase``);
+    the mix changes by swapping the contents of the prompt pool they draw from."""
 
-    def __init__(self, address: str, prompts: dict, concurrency: int, max_new_tokens: int) -> None:
-        from worker.load import LoadStats
+    def __init__(self, address: str, concurrency: int, max_new_tokens: int) -> None:
+        from worker.load import LoadStats, run_phase
 
-        self.address, self.prompts, self.max_new_tokens = address, prompts, max_new_tokens
-        self.mix = ""
+        self.pool: list = []
         self.stats = LoadStats()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(concurrency)]
+        self._thread = threading.Thread(
+            target=run_phase, daemon=True, name="retrain-loop-load",
+            args=(address, self.pool, concurrency, float("inf"), 0.0, max_new_tokens, self.stats, random.Random(0),
+                  self._stop))
 
-    def start(self, mix: str) -> "_Traffic":
-        self.mix = mix
-        for t in self._threads:
-            t.start()
+    def start(self, prompts: list) -> "_Traffic":
+        self.pool[:] = prompts
+        self._thread.start()
         return self
 
-    def _client(self, i: int) -> None:
-        from worker.load import _one
-
-        rng = random.Random(i)
-        while not self._stop.is_set():
-            _one(self.address, rng.choice(self.prompts[self.mix]), self.max_new_tokens, self.stats)
+    def switch(self, prompts: list) -> None:
+        self.pool[:] = prompts
 
     def stop(self) -> None:
         self._stop.set()
-        for t in self._threads:
-            t.join(120)
+        self._thread.join(120)
 
 
 def _expected_chain(controller, worker_id: str, version: str) -> tuple[float, float]:
@@ -198,17 +195,17 @@ def run_retrain_loop(cfg: LoopConfig, say: Callable[[str], None] = print) -> dic
     ctl = controller.running.controller
     untagged = {mix: [replace(p, domain="") for p in load_prompts(mix)[: cfg.prompts]]
                 for mix in (cfg.first_mix, cfg.new_mix)}
-    traffic = _Traffic(worker.address, untagged, cfg.concurrency, cfg.max_new_tokens)
+    traffic = _Traffic(worker.address, cfg.concurrency, cfg.max_new_tokens)
     report: dict = {"config": {k: v for k, v in vars(cfg).items() if k != "monitor"}, "monitor": cfg.monitor}
     try:
         say(f"2. {cfg.first_mix} traffic: the monitor learns the baseline of {first.version}")
-        traffic.start(cfg.first_mix)
+        traffic.start(untagged[cfg.first_mix])
         _wait(lambda: _baseline_ready(controller, first.version), cfg.step_timeout_s, "baseline of the first heads")
         tau_first, _ = _expected_chain(ctl, worker.worker_id, first.version)
         mark("baseline learned", version=first.version, expected_accepted_chain=round(tau_first, 3))
 
         say(f"3. traffic moves to {cfg.new_mix}")
-        traffic.mix = cfg.new_mix
+        traffic.switch(untagged[cfg.new_mix])
         opened = alerts.wait(lambda a: a.event == controller_pb2.ALERT_EVENT_OPENED
                              and a.drafter_version == first.version
                              and a.action == controller_pb2.ALERT_ACTION_RETRAIN_HEADS,

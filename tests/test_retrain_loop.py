@@ -6,6 +6,7 @@ live stream → the alert resolves → the controller learns the new version."""
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import pytest
 
@@ -29,6 +30,9 @@ def test_drift_alert_retraining_and_roll_out_close_the_loop(tmp_path):
     # τ measured by the engine: chat heads on chat, then on code (until the roll), then retrained heads on code
     assert measured["worker rolled"] < 0.6 * measured["baseline learned"], report["timeline"]
     assert measured["new version learned"] > 2 * measured["worker rolled"], report["timeline"]
-    # the store kept the alert's history across its resolution
-    assert (tmp_path / "controller.sqlite3").exists()
+    # the store holds the alert's history: opened, then resolved
+    with sqlite3.connect(tmp_path / "controller.sqlite3") as db:
+        events = [row[0] for row in db.execute("SELECT event FROM alert_events WHERE alert_id = ? ORDER BY seq",
+                                               (alert["id"],))]
+    assert events == ["opened", "resolved"]
     json.dumps(report)  # the demo writes it as JSON

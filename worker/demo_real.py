@@ -42,7 +42,7 @@ def run_real_demo(duration_s: float = 240.0, policy: str = "goodput", drafter: s
     from rich.live import Live
     from rich.table import Table
 
-    from bench.engine import _Controller
+    from controller.background import BackgroundController, in_process_config
     from worker.cli import set_threads
     from worker.load import LoadStats, run_phase
     from worker.prompts import held_out, load_prompts
@@ -53,7 +53,7 @@ def run_real_demo(duration_s: float = 240.0, policy: str = "goodput", drafter: s
     duration_s = max(duration_s, 40.0)
     console.print(f"[bold]specctl demo --real[/]: controller (policy {policy}) + SmolLM2 worker ({drafter}) + load; "
                   f"{len(PHASES)} phases of {duration_s / len(PHASES):.0f} s")
-    controller = _Controller(policy)
+    controller = BackgroundController(in_process_config(policy))
     opts = WorkerOptions(model=model, drafter=drafter, controller=controller.address, listen="127.0.0.1:0",
                          worker_id=f"ref-{drafter}", max_batch=8, fallback_depth=2)
     worker = load_worker(opts, log_fn=console.print).start()

@@ -160,7 +160,6 @@ class ReferenceWorker:
         self.engine = Engine(model, drafter, decide, observer=observer, max_batch=opts.max_batch)
         self.model_name = model_name
         self.rollouts: list[tuple[float, str, str]] = []  # (time, old version, new version)
-        self._next_drafter = None  # built off the engine thread, swapped in between two steps
         self._heads_checked = time.monotonic()
         self._wake = threading.Event()
         self._stop = threading.Event()

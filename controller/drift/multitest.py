@@ -46,14 +46,9 @@ def benjamini_hochberg(pvalues: Sequence[float], level: float) -> tuple[np.ndarr
     level = check_float("level", level, 0.0, 1.0, low_open=True, high_open=True)
     p = _as_pvalues(pvalues)
     m = p.size
-    if m == 0:
-        return np.zeros(0, dtype=bool), np.zeros(0)
     order = np.argsort(p, kind="stable")
     ranked = p[order] * m / np.arange(1, m + 1)
-    adjusted_sorted = np.minimum.accumulate(ranked[::-1])[::-1]
-    adjusted = np.empty(m)
-    adjusted[order] = np.minimum(adjusted_sorted, 1.0)
-    return adjusted <= level, adjusted
+    return _unsort(np.minimum.accumulate(ranked[::-1])[::-1], order, level)
 
 
 def holm(pvalues: Sequence[float], level: float) -> tuple[np.ndarray, np.ndarray]:
@@ -83,12 +78,14 @@ def holm(pvalues: Sequence[float], level: float) -> tuple[np.ndarray, np.ndarray
     level = check_float("level", level, 0.0, 1.0, low_open=True, high_open=True)
     p = _as_pvalues(pvalues)
     m = p.size
-    if m == 0:
-        return np.zeros(0, dtype=bool), np.zeros(0)
     order = np.argsort(p, kind="stable")
-    stepped = np.maximum.accumulate(p[order] * (m - np.arange(m)))
-    adjusted = np.empty(m)
-    adjusted[order] = np.minimum(stepped, 1.0)
+    return _unsort(np.maximum.accumulate(p[order] * (m - np.arange(m))), order, level)
+
+
+def _unsort(adjusted_sorted: np.ndarray, order: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+    """Adjusted p-values (capped at 1) back in input order, and the rejections at ``level``."""
+    adjusted = np.empty(order.size)
+    adjusted[order] = np.minimum(adjusted_sorted, 1.0)
     return adjusted <= level, adjusted
 
 
