@@ -46,6 +46,12 @@ Metrics per run (``DIR/policies.json``):
   decode speed in the batch (≈ 1000 / TPOT), with ``request_vs_oracle`` /
   ``request_vs_best_static``.
 
+Preset settings per scenario. A scenario's ``preset_config`` (see
+:mod:`worker.sim.scenario`) lays fields over a preset file's for that
+scenario's runs only — e.g. threshold-cliff runs ``vllm-batch-table`` with
+the table the reporter of vLLM issue 49548 used; ``policies.json`` records
+it per scenario. It is validated with the scenario, as the preset file is.
+
 Clients. The shipped scenarios drive the fleet with closed-loop users, as
 vLLM's serving benchmark does with ``--max-concurrency``: each user sends
 its next request when its last reply is complete (after a think time, in
@@ -449,7 +455,9 @@ def run_job(job: Job) -> dict[str, Any]:
         extra["true_alpha1"] = [None if not n else round(float(s / n), 4) for s, n in alpha.T]
     elif job.kind == "preset":
         config = ServerConfig.model_validate(job.config) if job.config else ServerConfig()
-        fleet = ControlledFleet(workers, load_preset(job.arg), config, job.delay_steps)
+        overrides = scenario.preset_config.get(job.arg)  # the scenario's settings for this preset, if any
+        policy = load_preset(job.arg, overrides, f"{job.scenario}: preset_config.{job.arg}")
+        fleet = ControlledFleet(workers, policy, config, job.delay_steps)
 
         def after(i: int, result: StepResult) -> None:
             series.add(result)
@@ -518,8 +526,12 @@ class ScenarioPlan:
 
 
 def grid_points(data: dict, depths: Sequence[int] | None, widths: Sequence[int]) -> list[tuple[int, int]]:
+    """The static grid, cut to the fleet's largest drafter (wider or deeper points
+    would only repeat the largest one the drafters can build)."""
     max_depth = max(w["drafter"].get("max_depth") or 8 for w in data["workers"])
+    max_width = max(w["drafter"].get("max_width") or 8 for w in data["workers"])
     depths = range(max_depth + 1) if depths is None else [d for d in depths if d <= max_depth]
+    widths = [w for w in widths if w <= max_width] or [1]
     return [(d, w) for d in depths for w in ([1] if d == 0 else widths)]
 
 
@@ -575,6 +587,7 @@ def summarise(plan: ScenarioPlan, results: dict[Job, dict]) -> tuple[dict, dict]
         "workers": [wid for w in plan.data["workers"] for wid in
                     ([w["id"]] if w.get("count", 1) == 1 else [f"{w['id']}-{i}" for i in range(w["count"])])],
         "has_changes": bool(plan.data.get("changes")),
+        "preset_config": plan.data.get("preset_config") or {},
         "policies": ordered,
         "grid": sorted(grid, key=lambda g: (g["phase"] != "full", g["depth"], g["width"])),
     }
@@ -761,18 +774,19 @@ def run_policy_bench(
         for name, entry in report["scenarios"].items():
             if entry["has_changes"]:
                 plot_series(name, all_series[name], entry, out / f"policies-series-{name}.png",
-                            report["meta"]["trtllm_gate"])
+                            gate_settings(presets, entry["preset_config"].get("trtllm-gate")))
     console.print(results_table(report))
     console.print(goals_table(report))
     console.print(f"wrote {out / 'policies.json'} in {report['meta']['runtime_s']:.1f} s")
     return report
 
 
-def gate_settings(presets: Sequence[str]) -> dict | None:
-    """The TensorRT-LLM gate preset's threshold and window, for the series plots."""
+def gate_settings(presets: Sequence[str], overrides: dict | None = None) -> dict | None:
+    """The TensorRT-LLM gate preset's threshold and window (with a scenario's
+    ``preset_config`` for it), for the series plots."""
     if "trtllm-gate" not in presets:
         return None
-    config = load_preset("trtllm-gate").config
+    config = load_preset("trtllm-gate", overrides).config
     return {"threshold": config.acceptance_rate_threshold, "window": config.acceptance_rate_window_size}
 
 

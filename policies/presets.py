@@ -135,10 +135,22 @@ def build_policy(name: str, fields: Mapping[str, Any], source: str = "<fields>")
     return entry.policy_cls(config)
 
 
-def load_preset_text(text: str, source: str = "<text>") -> Policy:
+def load_preset_text(
+    text: str,
+    source: str = "<text>",
+    overrides: Mapping[str, Any] | None = None,
+    overrides_source: str = "overrides",
+) -> Policy:
     """Build the policy a preset's YAML text describes.
 
     ``source`` names the text in error messages (a path, or ``"<text>"``).
+    ``overrides``: fields that replace (or add to) the text's top-level
+    fields before validation, e.g. a benchmark scenario's ``preset_config``
+    for this preset; a whole field is replaced, nested mappings are not
+    merged. They may not name ``policy``. The merged fields are validated as
+    one preset, so a bad override is refused like a bad preset file, the
+    message naming ``overrides_source`` as well as the file, the field and
+    the value.
     """
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
@@ -155,10 +167,27 @@ def load_preset_text(text: str, source: str = "<text>") -> Policy:
         )
     if not isinstance(name, str):
         raise PresetError(f"{source}: 'policy' must be a policy name string, got {_show(name)}")
+    if overrides is not None:
+        if not isinstance(overrides, Mapping):
+            raise PresetError(
+                f"{overrides_source}: overrides of {source} must be a mapping of field: value, "
+                f"got {_show(overrides)}"
+            )
+        if "policy" in overrides:
+            raise PresetError(
+                f"{overrides_source}: 'policy' = {_show(overrides['policy'])}: overrides of {source} "
+                f"cannot change its policy ({name!r}); name another preset instead"
+            )
+        fields.update(overrides)
+        source = f"{overrides_source} over {source}"
     return build_policy(name, fields, source)
 
 
-def load_preset(path_or_name: str | os.PathLike[str]) -> Policy:
+def load_preset(
+    path_or_name: str | os.PathLike[str],
+    overrides: Mapping[str, Any] | None = None,
+    overrides_source: str = "overrides",
+) -> Policy:
     """Build the policy of a preset file, given its path or a bare preset name.
 
     Parameters
@@ -167,6 +196,9 @@ def load_preset(path_or_name: str | os.PathLike[str]) -> Policy:
         A path to a YAML preset, or a bare name such as ``"goodput"`` that
         resolves to ``policies/presets/goodput.yaml`` when no file of that
         name exists in the working directory.
+    overrides, overrides_source
+        Fields laid over the file's before validation, and what to call
+        them in error messages (see :func:`load_preset_text`).
 
     Returns
     -------
@@ -184,7 +216,7 @@ def load_preset(path_or_name: str | os.PathLike[str]) -> Policy:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise PresetError(f"{path}: cannot read preset: {exc.strerror or exc}") from None
-    return load_preset_text(text, source=str(path))
+    return load_preset_text(text, source=str(path), overrides=overrides, overrides_source=overrides_source)
 
 
 def preset_path(path_or_name: str | os.PathLike[str]) -> Path:

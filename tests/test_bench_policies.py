@@ -6,18 +6,21 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from bench.policies import (
     ControlledFleet,
+    Job,
     Series,
     compress_time,
     drive,
     fleet_metrics,
+    run_job,
     run_policy_bench,
 )
 from controller.config import ServerConfig
 from policies.presets import load_preset_text
-from worker.sim.scenario import scenario_from_dict
+from worker.sim.scenario import ScenarioError, load_scenario, scenario_from_dict
 from worker.sim.worker import SimWorker
 
 POLICIES = ["goodput", "static", "trtllm-gate"]
@@ -148,6 +151,51 @@ def test_series_bins_add_up_to_the_totals():
     assert len(exported["t_s"]) == 4 and exported["mean_depth"][0] == pytest.approx(3.0)
 
 
+# vLLM issue 49548's reporter's table: K=2 up to 4 requests, speculation off from 5.
+ISSUE_TABLE = {"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 512, 0]]}
+
+
+def test_scenario_preset_config_changes_what_the_preset_decides():
+    """The same preset on the same saturated batch (32 requests), without and with the
+    scenario's override: the file's table drafts at every batch size, the override's
+    turns speculation off from 5 requests."""
+    data = saturated(2.0)
+    plain = run_job(Job("tiny", "preset", "vllm-batch-table", data))
+    configured = dict(data, preset_config={"vllm-batch-table": ISSUE_TABLE})
+    scenario_from_dict(configured)  # a valid override
+    over = run_job(Job("tiny", "preset", "vllm-batch-table", configured))
+    assert plain["spec_fraction"] > 0.9 and plain["controller"]["plans_applied"] >= 1
+    assert over["spec_fraction"] < 0.05 and over["controller"]["plans_applied"] >= 1
+    assert over["tokens"] != plain["tokens"]
+
+
+def test_shipped_cliff_scenario_runs_vllm_with_the_issues_table():
+    scenario = load_scenario("threshold-cliff")
+    assert scenario.preset_config == {"vllm-batch-table": ISSUE_TABLE}
+    assert set(scenario.preset_config) == {"vllm-batch-table"}  # trtllm-concurrency keeps its documented schedule
+
+
+@pytest.mark.parametrize(
+    "preset_config, expected",
+    [
+        ({"vllm-batch-table": {"num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 512, 99]]}},
+         "'num_speculative_tokens_per_batch_size.1.2' = 99"),
+        ({"vllm-batch-table": {"num_speculative_tokens": 2, "table": [[1, 4, 2]]}}, "unknown key 'table'"),
+        ({"trtllm-concurrency": {"max_concurrency": 8}}, "max_concurrency and draft_len_schedule are mutually exclusive"),
+        ({"vllm-batch-tabel": ISSUE_TABLE}, "unknown preset 'vllm-batch-tabel'"),
+    ],
+)
+def test_bad_preset_config_is_refused_before_any_run(tmp_path, preset_config, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(dict(tiny(), preset_config=preset_config)))
+    with pytest.raises(ScenarioError) as err:
+        run_policy_bench([path], tmp_path / "out", jobs=1, presets=["vllm-batch-table"], plots=False)
+    message = str(err.value)
+    assert str(path) in message and f"preset_config.{next(iter(preset_config))}" in message
+    assert expected in message
+    assert not (tmp_path / "out" / "policies.json").exists()
+
+
 def test_quick_cli_run_writes_results_and_goal_verdicts(tmp_path):
     """``specctl bench policies --quick`` as CI runs it, on one shipped scenario and
     three presets, in a real subprocess."""
@@ -165,6 +213,7 @@ def test_quick_cli_run_writes_results_and_goal_verdicts(tmp_path):
     assert report["meta"]["quick"] is True and report["meta"]["time_scale"] == 0.04
     entry = report["scenarios"]["threshold-cliff"]
     assert set(entry["policies"]) == {"goodput", "vllm-batch-table", "trtllm-concurrency", "best_static", "oracle"}
+    assert entry["preset_config"] == {"vllm-batch-table": ISSUE_TABLE}  # the table the vLLM preset ran with
     goals = entry["goals"]
     assert {"vs_oracle>=0.95", "vs_best_baseline>=0.98", "vs_vllm-batch-table>=1.3",
             "vs_trtllm-concurrency>=1.3"} <= set(goals)

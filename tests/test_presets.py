@@ -95,6 +95,36 @@ def test_cross_field_check_names_its_fields():
         load_preset_text(text, "x.yaml")
 
 
+ISSUE_49548 = {"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 512, 0]]}
+
+
+def test_overrides_replace_the_files_fields_for_one_load():
+    """A scenario's preset_config: laid over the file, validated with it, the file untouched."""
+    shipped = load_preset("vllm-batch-table")
+    policy = load_preset("vllm-batch-table", ISSUE_49548, "cliff.yaml: preset_config.vllm-batch-table")
+    assert [shipped.config.k_for_batch(b) for b in (1, 4, 5, 8, 300)] == [3, 3, 3, 3, 0]
+    assert [policy.config.k_for_batch(b) for b in (1, 4, 5, 8, 300)] == [2, 2, 0, 0, 0]
+    assert load_preset("vllm-batch-table").config == shipped.config
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"num_speculative_tokens": 0}, r"invalid 'vllm-batch-table' preset: 'num_speculative_tokens' = 0:"),
+        ({"num_speculative_tokens_per_batch_size": [[2, 4, 2]]},
+         r"'num_speculative_tokens_per_batch_size' = \[\[2, 4, 2\]\]: the first range must start at batch size 1"),
+        ({"num_speculative_tokens_per_batch_sise": 2}, r"unknown key 'num_speculative_tokens_per_batch_sise' \(value 2\)"),
+        ({"policy": "static"}, r"'policy' = 'static': overrides of .* cannot change its policy"),
+    ],
+)
+def test_bad_override_names_where_it_came_from_the_field_and_the_value(overrides, expected):
+    with pytest.raises(PresetError, match=expected) as err:
+        load_preset("vllm-batch-table", overrides, "cliff.yaml: preset_config.vllm-batch-table")
+    message = str(err.value)
+    assert message.startswith("cliff.yaml: preset_config.vllm-batch-table")
+    assert "vllm-batch-table.yaml" in message and "\n" not in message
+
+
 def test_missing_required_key():
     with pytest.raises(PresetError, match="missing required key 'acceptance_rate_threshold'"):
         load_preset_text("policy: trtllm-gate\nacceptance_rate_window_size: 8\n", "g.yaml")

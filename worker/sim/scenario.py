@@ -36,6 +36,9 @@ Schema (see ``bench/scenarios/*.yaml`` for complete files)::
       - {at_s: 150, kind: drift, domain: code, factor: 0.8}  # domain omitted = all
       - {at_s: 240, kind: drift, domain: code, factor: 1.0}  # retrained: back to 1
       - {at_s: 200, kind: domain_mix, domain_mix: {chat: 0.3, code: 0.7}}
+    preset_config:                      # optional, for ``specctl bench policies`` only
+      vllm-batch-table: {num_speculative_tokens: 2,
+                         num_speculative_tokens_per_batch_size: [[1, 4, 2], [5, 512, 0]]}
 
 A ``rate`` change sets the mean arrival rate (``rate``), the number of
 closed-loop users (``users``) or scales the base process (``scale``),
@@ -47,6 +50,13 @@ tokens per second tell policies apart only in overload. Closed-loop users
 (``closed``) send their next request when the last one is answered, as
 vLLM's benchmark does with ``--max-concurrency``: a better decision emits
 more tokens in the same time.
+
+``preset_config`` maps a shipped policy preset's name (a file stem in
+``policies/presets/``) to fields laid over that preset's own for this
+scenario only: the policy benchmark runs the preset configured as an
+operator would have configured that engine here. The merged fields are
+validated as the preset file is (unknown key, out-of-range value, changing
+``policy:``, unknown preset name: refused, naming the field and value).
 """
 
 from __future__ import annotations
@@ -432,6 +442,9 @@ class Scenario(Strict):
     traffic: Traffic
     workers: list[WorkerSpec] = Field(min_length=1)
     changes: list[Change] = Field(default_factory=list)
+    preset_config: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per preset name: fields laid over the preset file's (policy benchmark)"
+    )
 
     @field_validator("domain_acceptance")
     @classmethod
@@ -479,6 +492,7 @@ class Scenario(Strict):
                         problems.append(f"{where}.users: {ch.users} for worker {wid!r}, whose base users are 0 "
                                         "(nothing to scale)")
                         break
+        problems.extend(_preset_config_problems(self.preset_config))
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -511,6 +525,27 @@ class Scenario(Strict):
     def worker_seed(self, worker_id: str) -> np.random.SeedSequence:
         """Seed of one replica: stable under adding or reordering other workers."""
         return np.random.SeedSequence([self.seed, zlib.crc32(worker_id.encode())])
+
+
+def _preset_config_problems(preset_config: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per preset override that the preset's own validation refuses."""
+    if not preset_config:
+        return []
+    # Imported here: the policy registry is only needed by scenarios that configure presets.
+    from policies.presets import PresetError, list_presets, load_preset
+
+    shipped = list_presets()
+    problems = []
+    for name, fields in preset_config.items():
+        where = f"preset_config.{name}"
+        if name not in shipped:
+            problems.append(f"{where}: unknown preset {name!r} (shipped: {', '.join(shipped)})")
+            continue
+        try:
+            load_preset(name, fields, overrides_source=where)
+        except PresetError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 # -- loading -----------------------------------------------------------------
