@@ -31,6 +31,12 @@ an alarm inside ``[start, end + delta_max]`` of a drift is a detection
 (delay = first such alarm − start), any other alarm is a false alarm; missed
 rate, false alarms per 100k request-steps and the mean time between false
 alarms (MTFA) are reported per detector and stream over several seeds.
+
+False alarms are also counted on long no-change streams (``null_long``,
+millions of request-steps): the short streams cannot tell one alarm per
+million request-steps from one per ten million, and "earlier detection at no
+more false alarms" needs the rates measured side by side, not the nominal
+budget a detector was calibrated to.
 """
 
 from __future__ import annotations
@@ -48,14 +54,21 @@ import numpy as np
 
 TRAINED_CONTEXT = 8192
 MAX_DEPTH = 8
-SEEDS = (0, 1, 2)
+SEEDS = tuple(range(24))
+KSWIN_SEEDS = 3  # KSWIN costs ~0.5 ms per update: it runs on the first seeds only
 DELTA_MAX = 6000
-ERT = 500_000.0  # request-steps between false alarms, for our monitor and the pooled-mean CUSUM
-# ADWIN(delta=0.002) raises ~0.05 false alarms per 100k request-steps on these streams without drift
-# (1 in 2M measured): the monitor is also run at that budget to compare at matched false alarms.
-ERT_STRICT = 2_000_000.0
-DETECTORS = ("specctl_monitor", "specctl_monitor_ert2m", "specctl_cusum", "specctl_chi2", "pooled_mean", "adwin",
+# Nominal request-steps between false alarms our monitor and the pooled-mean CUSUM are calibrated to.
+# The calibration is conservative at this scale (it bounds the alarm rate averaged over the baseline's
+# estimation error, which unlucky baselines dominate), so false alarms are *measured* on long streams
+# without drift (``null_long``) and compared with river's there: that is the "no more false alarms".
+ERT = 300_000.0
+ERT_STRICT = 1_500_000.0  # the monitor again at a 5x stricter nominal budget: the delay it costs
+DETECTORS = ("specctl_monitor", "specctl_monitor_strict", "specctl_cusum", "specctl_chi2", "pooled_mean", "adwin",
              "page_hinkley", "kswin")
+# Long no-change streams on which every detector's false-alarm rate is measured (KSWIN is too slow).
+NULL_SEEDS = tuple(range(100, 140))  # 20M request-steps per detector
+NULL_STEPS = 500_000
+NULL_DETECTORS = ("specctl_monitor", "pooled_mean", "adwin", "page_hinkley")
 JSON_KEYS = ("delay_median", "missed_rate", "false_alarms_per_100k", "retrain_alerts")
 
 
@@ -232,24 +245,36 @@ def run_scalar(detector: Any, xs: np.ndarray) -> dict[str, Any]:
     return {"alarms": alarms}
 
 
-def run_task(spec: StreamSpec, seed: int, which: str) -> tuple[str, int, dict[str, dict[str, Any]], float]:
-    """One (stream, seed, detector group) job; runs in a worker process."""
+def pooled_mean_cusum(tau: np.ndarray, seed: int) -> Any:
+    """Two-sided CUSUM on pooled τ, ±5 % slack, calibrated to ``ERT``.
+
+    It needs a precise target: with 800 samples its error (~3 %) rivals the
+    5 % slack and the calibration (averaged over the target's error) has to
+    set a very high threshold, hence a 4000-step baseline.
+    """
+    from controller.drift import CUSUM
+
+    n_base = 4000
+    return CUSUM(direction="both", slack=0.05 * float(tau[:n_base].mean()), ert=ERT, n_baseline=n_base, seed=seed)
+
+
+def run_task(spec: StreamSpec, seed: int, which: str,
+             strict: bool = True) -> tuple[str, int, dict[str, dict[str, Any]], float]:
+    """One (stream, seed, detector group) job; runs in a worker process.
+
+    ``which``: ``ours`` (the monitor at ``ERT`` and ``ERT_STRICT``, its
+    detectors, the pooled-mean CUSUM), ``river`` (ADWIN, PageHinkley) or
+    ``kswin``; ``strict=False`` skips the monitor at ``ERT_STRICT``.
+    """
     t = time.perf_counter()
     data = make_stream(spec, seed)
     tau = data["tau"].astype(np.float64)
     out: dict[str, dict[str, Any]] = {}
     if which == "ours":
-        from controller.drift import CUSUM
-
         out.update(run_monitor(data, seed))
-        strict = run_monitor(data, seed, ert=ERT_STRICT)["specctl_monitor"]
-        out["specctl_monitor_ert2m"] = strict
-        # A pooled-mean CUSUM needs a precise target: with 800 samples its error (~3 %) rivals the 5 %
-        # slack and the calibration (averaged over the target's error) has to set a very high threshold.
-        n_base = 4000
-        pooled = CUSUM(direction="both", slack=0.05 * float(tau[:n_base].mean()), ert=ERT, n_baseline=n_base,
-                       seed=seed)
-        out["pooled_mean"] = run_scalar(pooled, tau)
+        if strict:
+            out["specctl_monitor_strict"] = run_monitor(data, seed, ert=ERT_STRICT)["specctl_monitor"]
+        out["pooled_mean"] = run_scalar(pooled_mean_cusum(tau, seed), tau)
     else:
         from river import drift
 
@@ -261,15 +286,30 @@ def run_task(spec: StreamSpec, seed: int, which: str) -> tuple[str, int, dict[st
     return spec.name, seed, out, time.perf_counter() - t
 
 
+def null_stream(steps: int) -> StreamSpec:
+    return StreamSpec("null_long", "none", n=steps, change_at=steps)
+
+
+def score_null(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """False alarms of one detector over the long no-change streams."""
+    steps = sum(r["steps"] for r in runs)
+    alarms = sum(len(r["alarms"]) for r in runs)
+    return {"steps": steps, "alarms": alarms, "per_million": round(alarms / steps * 1e6, 3),
+            "steps_per_alarm": round(steps / alarms) if alarms else None}
+
+
 # ------------------------------------------------------------------ main
 def run_drift_bench(out_dir: str | os.PathLike = "bench/results", seeds: Sequence[int] = SEEDS,
                     streams: Sequence[StreamSpec] = STREAMS, workers: int | None = None, console: Any = None,
-                    groups: Sequence[str] = ("kswin", "ours", "river")) -> int:
+                    groups: Sequence[str] = ("kswin", "ours", "river"), null_seeds: Sequence[int] = NULL_SEEDS,
+                    null_steps: int = NULL_STEPS) -> int:
     """Run every detector on every stream and seed; write ``drift.json`` and ``drift.png``.
 
     ``groups`` picks detector groups: ``"ours"`` (the monitor, its detectors,
     the pooled-mean CUSUM), ``"river"`` (ADWIN, PageHinkley) and ``"kswin"``
-    (river's KSWIN, by far the slowest: ~0.5 ms per update).
+    (river's KSWIN, by far the slowest: ~0.5 ms per update). Every group but
+    KSWIN also runs on ``null_seeds`` no-change streams of ``null_steps``
+    request-steps, where false alarms are counted (``null_false_alarms``).
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -283,10 +323,23 @@ def run_drift_bench(out_dir: str | os.PathLike = "bench/results", seeds: Sequenc
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     order = [g for g in ("kswin", "ours", "river") if g in groups]  # slowest first
-    tasks = [(spec, seed, g) for g in order for spec in streams for seed in seeds]
+    tasks = [(spec, seed, g) for g in order for spec in streams
+             for seed in (seeds[:KSWIN_SEEDS] if g == "kswin" else seeds)]
+    null = null_stream(null_steps)
+    tasks = [(null, seed, g, False) for g in order if g != "kswin" for seed in null_seeds] + tasks
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {d: [] for d in DETECTORS} for s in streams}
+    null_runs: dict[str, list[dict[str, Any]]] = {d: [] for d in NULL_DETECTORS}
     cpu_s = 0.0
     workers = workers or min(2, os.cpu_count() or 1)
+
+    def collect(name: str, seed: int, res: dict[str, dict[str, Any]], secs: float) -> float:
+        for det, r in res.items():
+            if name == null.name:
+                if det in null_runs:
+                    null_runs[det].append({"seed": seed, "steps": null.n, "alarms": r["alarms"]})
+            else:
+                runs[name][det].append({"seed": seed, **r})
+        return secs
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
         bar = progress.add_task("drift bench: streams × seeds × detectors", total=len(tasks))
@@ -294,22 +347,18 @@ def run_drift_bench(out_dir: str | os.PathLike = "bench/results", seeds: Sequenc
             with ProcessPoolExecutor(max_workers=workers) as pool:
                 futures = [pool.submit(run_task, *task) for task in tasks]
                 for fut in as_completed(futures):
-                    name, seed, res, secs = fut.result()
-                    cpu_s += secs
-                    for det, r in res.items():
-                        runs[name][det].append({"seed": seed, **r})
+                    cpu_s += collect(*fut.result())
                     progress.advance(bar)
         else:
             for task in tasks:
-                name, seed, res, secs = run_task(*task)
-                cpu_s += secs
-                for det, r in res.items():
-                    runs[name][det].append({"seed": seed, **r})
+                cpu_s += collect(*run_task(*task))
                 progress.advance(bar)
     by_name = {s.name: s for s in streams}
     results: dict[str, Any] = {
         "config": {
-            "seeds": list(seeds), "delta_max": DELTA_MAX, "ert": ERT, "trained_context_len": TRAINED_CONTEXT,
+            "seeds": list(seeds), "kswin_seeds": list(seeds[:KSWIN_SEEDS]), "delta_max": DELTA_MAX,
+            "ert_nominal": ERT, "ert_strict_nominal": ERT_STRICT, "trained_context_len": TRAINED_CONTEXT,
+            "null_long": {"seeds": list(null_seeds), "steps": null_steps},
             "streams": {s.name: asdict(s) for s in streams},
             "unit": "request-step (one request's part of one engine step)",
             "river": {"adwin": {"delta": 0.002}, "page_hinkley": {"threshold": 50, "delta": 0.005},
@@ -320,13 +369,14 @@ def run_drift_bench(out_dir: str | os.PathLike = "bench/results", seeds: Sequenc
     for name, dets in runs.items():
         results["streams"][name] = {d: score_runs(sorted(r, key=lambda x: x["seed"]), by_name[name])
                                     for d, r in dets.items() if r}
-    results["goals"] = evaluate_goals(results["streams"])
+    results["null_false_alarms"] = {d: score_null(r) for d, r in null_runs.items() if r}
+    results["goals"] = evaluate_goals(results["streams"], results["null_false_alarms"])
     results["elapsed_s"] = round(time.perf_counter() - started, 1)
     results["cpu_s"] = round(cpu_s, 1)
     (out / "drift.json").write_text(json.dumps(results, indent=2))
     plot(results, streams, out / "drift.png")
 
-    table = Table(title=f"drift bench ({len(seeds)} seeds, delta_max {DELTA_MAX}, ERT {ERT:,.0f})")
+    table = Table(title=f"drift bench ({len(seeds)} seeds, delta_max {DELTA_MAX}, nominal ERT {ERT:,.0f})")
     for col in ("stream", "detector", "delay med", "missed", "FA/100k", "MTFA", "retrain"):
         table.add_column(col, no_wrap=True, justify="left" if col in ("stream", "detector") else "right")
     for name, dets in results["streams"].items():
@@ -334,15 +384,23 @@ def run_drift_bench(out_dir: str | os.PathLike = "bench/results", seeds: Sequenc
             table.add_row(name, det, _fmt(m["delay_median"]), _fmt(m["missed_rate"]),
                           _fmt(m["false_alarms_per_100k"]), _fmt(m["mtfa"]), _fmt(m["retrain_alerts"]))
     console.print(table)
+    nulls = results["null_false_alarms"]
+    if nulls:
+        console.print(f"false alarms on {len(null_seeds)} no-change streams of {null_steps:,} request-steps: "
+                      + ", ".join(f"{d} {m['alarms']} ({m['per_million']:g}/M)" for d, m in nulls.items()))
     for goal, ok in results["goals"].items():
         console.print(f"{'[green]met' if ok else '[red]not met'}[/]  {goal}")
     console.print(f"wrote {out / 'drift.json'} and {out / 'drift.png'} in {results['elapsed_s']} s")
     return 0
 
 
-def evaluate_goals(streams: dict[str, Any]) -> dict[str, bool]:
+def evaluate_goals(streams: dict[str, Any], nulls: dict[str, Any] | None = None) -> dict[str, bool]:
     """The issue's goals, checked on the scores (absent streams or detectors are skipped)."""
     goals: dict[str, bool] = {}
+    nulls = nulls or {}
+    if "specctl_monitor" in nulls and "adwin" in nulls:
+        goals["null_long: false alarms <= ADWIN's (measured)"] = (
+            nulls["specctl_monitor"]["per_million"] <= nulls["adwin"]["per_million"])
     ab = streams.get("abrupt_drop", {})
     if "specctl_monitor" in ab and "adwin" in ab:
         m, a = ab["specctl_monitor"], ab["adwin"]

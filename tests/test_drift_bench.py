@@ -42,7 +42,7 @@ def test_tiny_bench_writes_json_and_png(tmp_path) -> None:
                StreamSpec("batch_shift", "batch", n=3000, change_at=2000))
     console = Console(file=io.StringIO(), width=120)
     assert run_drift_bench(tmp_path, seeds=(0,), streams=streams, workers=1, console=console,
-                           groups=("ours", "river")) == 0
+                           groups=("ours", "river"), null_seeds=(100,), null_steps=5000) == 0
     out = json.loads((tmp_path / "drift.json").read_text())
     assert (tmp_path / "drift.png").stat().st_size > 10_000
     assert set(out["streams"]) == {"abrupt_drop", "batch_shift"}
@@ -52,3 +52,7 @@ def test_tiny_bench_writes_json_and_png(tmp_path) -> None:
             assert set(JSON_KEYS) <= set(metrics)
     assert out["streams"]["batch_shift"]["specctl_monitor"]["retrain_alerts"] == 0
     assert "goals" in out
+    nulls = out["null_false_alarms"]  # false alarms counted on the long no-change streams
+    assert set(nulls) == {"specctl_monitor", "pooled_mean", "adwin", "page_hinkley"}
+    assert all(m["steps"] == 5000 and m["alarms"] >= 0 for m in nulls.values())
+    assert "null_long: false alarms <= ADWIN's (measured)" in out["goals"]
