@@ -156,6 +156,9 @@ def test_traffic_past_the_trained_context_is_extend_never_retrain() -> None:
     assert {a.action for a in mon.alerts.values()} == {Action.EXTEND_TRAINING_CONTEXT}
     share = [a for a in mon.alerts.values() if a.detector == "context_share"]
     assert len(share) == 1 and share[0].statistic == 1.0 and share[0].severity is Severity.CRITICAL
+    # All traffic ran past the trained length: no in-range baseline, and the alert says so.
+    assert share[0].n_baseline == 0 and share[0].expected_tau_change == 0.0
+    assert "no baseline within the trained length yet" in share[0].message
 
 
 def test_domain_tags_are_strata_of_their_own() -> None:

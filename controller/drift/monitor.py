@@ -745,6 +745,9 @@ class AcceptanceDriftMonitor:
         e_base = expected_chain_tau(a_base, v.max_depth)
         delta = expected_chain_tau(a_cur, v.max_depth) / e_base - 1.0 if base_counts and e_base > 0 else 0.0
         L = v.trained_context_len
+        # Traffic may run past L from the start: then nothing inside L has a baseline to compare with.
+        compared = (f"E[τ] there {delta:+.1%} vs within" if base_counts
+                    else "no baseline within the trained length yet to compare with")
         alert = DriftAlert(
             id=self._new_id(), drafter_kind=v.kind, drafter_version=v.version, stratum=f"ctx>{L}",
             context_len_min=L, context_len_max=0, domain="", detector="context_share", statistic=round(share, 4),
@@ -755,7 +758,7 @@ class AcceptanceDriftMonitor:
             severity=Severity.CRITICAL if share >= 0.25 else Severity.WARNING,
             action=Action.EXTEND_TRAINING_CONTEXT,
             message=(f"{v.kind}/{v.version}: {share:.0%} of request-steps run past the trained context length "
-                     f"{L} (E[τ] there {delta:+.1%} vs within): extend the training context"),
+                     f"{L} ({compared}): extend the training context"),
             n_baseline=sum(base_counts.values()), n_current=sum(counts.values()))
         v.extend_alert = alert
         self._publish("opened", alert)
