@@ -25,7 +25,7 @@ from rich.text import Text
 from controller.alerts_proto import EXISTING_ALERTS_METADATA, alert_from_proto, event_name
 from controller.protocol import DRAFTER_KIND_NAMES
 from protos.speculation.v1 import controller_pb2, controller_pb2_grpc
-from specctl.tokens import ClientSecurity, ClientSecurityError, add_client_security_args
+from worker.security import ClientSecurity, ClientSecurityError, add_client_security_args
 
 
 COLUMNS = ("id", "status", "action", "severity", "drafter", "stratum", "E[τ]", "detector", "opened", "resolved")

@@ -117,7 +117,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from specctl.status import print_status
-    from specctl.tokens import ClientSecurity, ClientSecurityError
+    from worker.security import ClientSecurity, ClientSecurityError
 
     try:
         security = ClientSecurity.from_args(args)
@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show the controller's workers, plans and models")
     status.add_argument("--controller", default="127.0.0.1:50051", help="HOST:PORT of the controller")
     status.add_argument("--worker", default="", help="only this worker id")
-    from specctl.tokens import add_client_security_args, add_token_command
+    from specctl.tokens import add_token_command
+    from worker.security import add_client_security_args
 
     add_client_security_args(status)
     status.set_defaults(func=_status)

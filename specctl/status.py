@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from protos.speculation.v1 import controller_pb2, controller_pb2_grpc, plan_pb2, worker_pb2
-from specctl.tokens import ClientSecurity
+from worker.security import ClientSecurity
 
 
 def fetch_status(target: str, worker_id: str = "", timeout: float = 5.0,

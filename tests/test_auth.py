@@ -6,6 +6,7 @@ certificates named after worker ids)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime
 import ipaddress
@@ -27,9 +28,10 @@ from controller.server import start_server
 from policies.table import Decision
 from protos.speculation.v1 import controller_pb2, controller_pb2_grpc, worker_pb2
 from specctl import cli
-from specctl.tokens import ClientSecurity, new_token
+from specctl.tokens import new_token
 from tests.support import SyntheticWorker, free_port, make_hello, wait_for
 from worker.agent import AgentOptions, SpeculationAgent, step_to_proto
+from worker.security import ClientSecurity, add_client_security_args
 
 W1_TOKEN, W2_TOKEN, ADMIN_TOKEN = new_token(), new_token(), new_token()
 TOKENS = (W1_TOKEN, W2_TOKEN, ADMIN_TOKEN)
@@ -443,3 +445,46 @@ async def test_specctl_token_new_and_status_over_tls(serve, pki, tmp_path, capsy
     admin_token = admin_file.read_text().strip()
     assert (admin_file.stat().st_mode & 0o777) == 0o600 and admin_token not in capsys.readouterr().out
     assert cli.main(["token", "new", "--admin", "ops", "--out", str(admin_file)]) == 2  # never overwrites
+
+
+@pytest.mark.model
+async def test_reference_worker_follows_a_controller_over_mutual_tls_with_its_token(serve, pki, tmp_path):
+    """`specctl worker`'s security flags reach the agent: the reference engine on
+    a tiny model streams telemetry over mTLS with w1's token and gets plans;
+    with no token it is refused and keeps decoding on its fallback."""
+    import torch
+
+    from worker.drafters.ngram import NgramDrafter
+    from worker.load import generate_request
+    from worker.models import tiny_llama
+    from worker.server import ReferenceWorker, WorkerOptions
+
+    torch.set_num_threads(1)
+    model, vocab = tiny_llama(seed=0)
+    running = await serve(server_config(pki, mtls=True))
+    token_file = tmp_path / "w1.token"
+    token_file.write_text(W1_TOKEN + "\n")
+    parser = argparse.ArgumentParser()
+    add_client_security_args(parser)
+    flags = ["--tls-ca", pki.path("ca.pem"), "--tls-cert", pki.path("w1.pem"), "--tls-key", pki.path("w1.key")]
+    good = ClientSecurity.from_args(parser.parse_args(flags + ["--token-file", str(token_file)]))
+    no_token = ClientSecurity.from_args(parser.parse_args(flags))
+    target = f"localhost:{running.port}"  # the server certificate names localhost and 127.0.0.1
+    workers = [ReferenceWorker(model, None, NgramDrafter(), "tiny",
+                               WorkerOptions(listen="127.0.0.1:0", drafter="ngram", controller=target, max_batch=2,
+                                             worker_id="w1", fallback_depth=2, security=security)).start()
+               for security in (good, no_token)]
+    try:
+        prompt = torch.randint(0, vocab, (5,), generator=torch.Generator().manual_seed(4)).tolist() * 3
+        for w in workers:  # both serve: the refused one decodes on its fallback plan
+            out = await asyncio.to_thread(generate_request, w.address, {"prompt_ids": prompt, "max_new_tokens": 12})
+            assert len(out["token_ids"]) == 12
+        await wait_for(lambda: workers[0].agent.plan_version >= 1, timeout=20)
+        await wait_for(lambda: running.controller.status("w1").workers[0].steps_ingested > 0, timeout=20)
+        assert workers[0].agent.stats.connected and workers[0].agent.stats.rejections == 0
+        await wait_for(lambda: running.servicer.auth.failures["missing_token"] >= 1, timeout=20)
+        await wait_for(lambda: "UNAUTHENTICATED" in workers[1].agent.stats.last_error, timeout=20)
+        assert workers[1].agent.plan_version == 0  # never got a plan: still on its fallback
+    finally:
+        for w in workers:
+            w.stop()

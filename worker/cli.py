@@ -45,12 +45,19 @@ def _train_heads(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from worker.models import ModelUnavailableError
+    from worker.security import ClientSecurity, ClientSecurityError
     from worker.server import WorkerOptions, run_worker
 
+    try:
+        security = ClientSecurity.from_args(args)
+    except ClientSecurityError as err:
+        print(f"specctl worker: {err}", file=sys.stderr)
+        return 2
     set_threads(args.threads)
     opts = WorkerOptions(model=args.model, drafter=args.drafter, heads=args.heads, controller=args.controller,
                          listen=args.listen, worker_id=args.worker_id, max_batch=args.max_batch,
-                         fallback_depth=args.fallback_depth, static=args.static, heads_poll_s=args.heads_poll)
+                         fallback_depth=args.fallback_depth, static=args.static, heads_poll_s=args.heads_poll,
+                         security=security)
     try:
         return run_worker(opts)
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
@@ -112,6 +119,9 @@ def add_worker_commands(sub) -> None:
     wk.add_argument("--fallback-depth", type=int, default=3, help="chain depth until the first plan arrives")
     wk.add_argument("--static", default="", help="without a controller: DEPTH[xWIDTH[:NODES]] (default: fallback)")
     wk.add_argument("--threads", type=int, default=1)
+    from worker.security import add_client_security_args
+
+    add_client_security_args(wk)  # --tls, --tls-ca, --tls-cert/--tls-key, --token/--token-file
     wk.set_defaults(func=_worker)
 
     ld = sub.add_parser("load", help="drive a worker's generate endpoint with prompts")

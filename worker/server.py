@@ -29,7 +29,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -38,6 +38,7 @@ import torch
 from policies.table import Decision
 from protos.speculation.v1 import worker_pb2
 from worker.engine.engine import Engine, static_decide
+from worker.security import ClientSecurity
 
 log = logging.getLogger("specctl.worker")
 
@@ -67,6 +68,8 @@ class WorkerOptions:
     # Seconds between checks of the heads directory for a new version (0 = never):
     # a retraining job writes new heads there and the worker rolls to them.
     heads_poll_s: float = 0.0
+    # TLS / mutual TLS and the bearer token, when the controller has them on.
+    security: ClientSecurity = field(default_factory=ClientSecurity)
 
 
 def parse_static(text: str, default: Decision) -> Decision:
@@ -153,7 +156,9 @@ class ReferenceWorker:
         if opts.controller:
             from worker.agent import AgentOptions, SpeculationAgent
 
-            self.agent = SpeculationAgent(self.hello, opts.controller, AgentOptions(fallback=fallback))
+            self.agent = SpeculationAgent(self.hello, opts.controller, AgentOptions(fallback=fallback),
+                                          channel_credentials=opts.security.channel_credentials(),
+                                          token=opts.security.token or None)
             decide, observer = self.agent.decide, self.agent
         else:
             decide, observer = static_decide(parse_static(opts.static, fallback)), None
