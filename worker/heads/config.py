@@ -38,10 +38,12 @@ class TrainConfig:
     num_heads: int = 4  # medusa heads / eagle report depth
     held_out: float = 0.1
     seed: int = 0
-    noise: float = 0.05  # eagle: input-feature noise, relative to the feature RMS
+    # eagle: held-out sweep on SmolLM2-135M (issue #4): noise 0.15 with reg_weight 1.0 gave a greedy chain
+    # tau(d2) of 0.583 against 0.555 for noise 0.05 / reg_weight 0.1, at the same training cost
+    noise: float = 0.15  # eagle: input-feature noise, relative to the feature RMS
     unroll: int = 2  # eagle: training passes on its own predictions
     cls_weight: float = 1.0  # eagle: weight of the token loss
-    reg_weight: float = 0.1  # eagle: weight of the feature (smooth-L1) loss
+    reg_weight: float = 1.0  # eagle: weight of the feature (smooth-L1) loss
     loss_on: str = "all"  # "all" positions or only the "answer" (from the last prompt token on)
     init_from_target: bool = False  # eagle: warm-start the layer from the target's last layer (worse here)
     topk: int = 5  # report: top-k accuracy
