@@ -155,7 +155,8 @@ def eval_prompts(n: int, held_out: float = 0.1):
 def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-135m", batches=(1, 4, 8),
                      prompts: int = 8, max_new_tokens: int = 48, depths=(2, 4),
                      drafters=("ngram", "medusa", "eagle", "oracle"), policy: str = "goodput",
-                     threads: int = 1, heads_dir: str | None = None, plot: bool = True) -> int:
+                     threads: int = 1, heads_dir: str | None = None, plot: bool = True,
+                     warmup_prompts: int = 0) -> int:
 
     from controller.background import BackgroundController, in_process_config
     from worker.cli import set_threads
@@ -172,8 +173,13 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     model, tok = lm.model, lm.tokenizer
     for p in model.parameters():
         p.requires_grad_(False)
-    items = eval_prompts(prompts)
+    both = eval_prompts(prompts + warmup_prompts)
+    items = both[:prompts]
     ids = [chat_ids(tok, p.text) for p in items]
+    # ``warmup_prompts`` other held-out prompts, run untimed under the controller before each
+    # batch size's timed runs, show it past its first plans (fallback chain, prior cost model,
+    # first probes); 0 times it from a cold start, learning alongside the static runs.
+    warm_ids = [chat_ids(tok, p.text) for p in both[prompts:]]
 
     learned = [d for d in drafters if d in ("ngram", "medusa", "eagle")]
     built = {d: build_drafter(d, model, heads_dir, model_name) for d in learned}
@@ -194,6 +200,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     tallies: dict[tuple[str, str, int], _Tally] = {}
     try:
         for batch in batches:
+            for d, agent in agents.items():
+                Engine(model, built[d], agent.decide, observer=agent, max_batch=batch).generate(warm_ids,
+                                                                                                max_new_tokens)
             specs = [("none", "plain", None, None, _FanOut(agents.values()))]
             for d in learned:
                 specs += [(d, f"static-d{k}", built[d], static_decide(Decision.chain(k)), agents.get(d))
@@ -232,6 +241,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "max_new_tokens": max_new_tokens,
         "threads": torch.get_num_threads(),
         "policy": policy,
+        "controller_warmup_prompts": [p.id for p in both[prompts:]] if agents else [],
         "heads": {d: getattr(built[d], "version", "") for d in learned},
         "runs": [asdict(r) for r in runs],
     }

@@ -149,6 +149,8 @@ def add_bench_engine_options(bench) -> None:
     g.add_argument("--engine-policy", default="goodput", help="controller preset for the controlled runs ('' = none)")
     g.add_argument("--heads", help="heads directory (default: cached, trained on first use)")
     g.add_argument("--threads", type=int, default=1)
+    g.add_argument("--warmup-prompts", type=int, default=0,
+                   help="other held-out prompts run untimed under the controller before each batch size (0 = cold)")
 
 
 def bench_engine(args: argparse.Namespace) -> int:
@@ -158,4 +160,4 @@ def bench_engine(args: argparse.Namespace) -> int:
         out_dir=args.out, model_name=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
         prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         depths=tuple(int(d) for d in args.depths.split(",")), drafters=tuple(args.drafters.split(",")),
-        policy=args.engine_policy, threads=args.threads, heads_dir=args.heads)
+        policy=args.engine_policy, threads=args.threads, heads_dir=args.heads, warmup_prompts=args.warmup_prompts)
