@@ -58,8 +58,8 @@ SEEDS = tuple(range(24))
 KSWIN_SEEDS = 3  # KSWIN costs ~0.5 ms per update: it runs on the first seeds only
 DELTA_MAX = 6000
 # Nominal request-steps between false alarms our monitor and the pooled-mean CUSUM are calibrated to.
-# The calibration is conservative at this scale (it bounds the alarm rate averaged over the baseline's
-# estimation error, which unlucky baselines dominate), so false alarms are *measured* on long streams
+# The CUSUM's calibration is conservative at this scale (measured; likely because it bounds the alarm rate
+# averaged over the baseline's estimation error), so false alarms are *measured* on long streams
 # without drift (``null_long``) and compared with river's there: that is the "no more false alarms".
 ERT = 300_000.0
 ERT_STRICT = 1_500_000.0  # the monitor again at a 5x stricter nominal budget: the delay it costs
