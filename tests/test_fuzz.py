@@ -447,7 +447,8 @@ def draw_message(data, model: WorkerModel, applied_ids: list[str],
         hello.CopyFrom(model.hello)
         change = data.draw(st.sampled_from(["same", "new_version", "other_worker", "max_depth", "kind",
                                             "max_tree_nodes"]))
-        if change == "same":
+        if change == "same":  # same state; but a Hello says "(re)started": step ids may begin at 1 again
+            model.last_applied = 0
             return worker_pb2.WorkerMessage(hello=hello), []
         if change == "new_version":  # a drafter roll-out mid-stream: a new state for the same worker
             model.version += 1
