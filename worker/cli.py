@@ -36,7 +36,8 @@ def _train_heads(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"--extra-text matched no file: {args.extra_text}")
         train_heads(args.drafter, args.model, args.prompts, args.out, config=cfg, max_new_tokens=args.max_new_tokens,
                     gen_batch=args.gen_batch, limit=args.limit, extra_text=extra, extra_tokens=args.extra_tokens,
-                    samples=args.samples, temperature=args.sample_temperature)
+                    samples=args.samples, temperature=args.sample_temperature,
+                    tune_kernels=args.kernels == "tuned")
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
         print(f"specctl train-heads: {err}", file=sys.stderr)
         return 2
@@ -57,7 +58,7 @@ def _worker(args: argparse.Namespace) -> int:
     opts = WorkerOptions(model=args.model, drafter=args.drafter, heads=args.heads, controller=args.controller,
                          listen=args.listen, worker_id=args.worker_id, max_batch=args.max_batch,
                          fallback_depth=args.fallback_depth, static=args.static, heads_poll_s=args.heads_poll,
-                         security=security)
+                         security=security, kernels=args.kernels)
     try:
         return run_worker(opts)
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
@@ -71,6 +72,10 @@ def _load(args: argparse.Namespace) -> int:
     return run_load(args.worker, rate=args.rate, concurrency=args.concurrency, prompts=args.prompts,
                     duration_s=args.duration, requests=args.requests, max_new_tokens=args.max_new_tokens,
                     seed=args.seed, out=args.out)
+
+
+KERNELS_HELP = ("linear-layer kernels on the CPU: 'tuned' (row-count-aware, timed on first use and cached; "
+                "worker.engine.kernels) or 'default' (torch's F.linear)")
 
 
 def add_worker_commands(sub) -> None:
@@ -104,6 +109,7 @@ def add_worker_commands(sub) -> None:
     th.add_argument("--extra-tokens", type=int, default=50_000, help="cap on extra-text tokens (default 50000)")
     th.add_argument("--seed", type=int, default=0)
     th.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = torch's default)")
+    th.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
     th.set_defaults(func=_train_heads)
 
     wk = sub.add_parser("worker", help="reference worker: real model + drafter, HTTP generate endpoint, agent")
@@ -119,6 +125,7 @@ def add_worker_commands(sub) -> None:
     wk.add_argument("--fallback-depth", type=int, default=3, help="chain depth until the first plan arrives")
     wk.add_argument("--static", default="", help="without a controller: DEPTH[xWIDTH[:NODES]] (default: fallback)")
     wk.add_argument("--threads", type=int, default=1)
+    wk.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
     from worker.security import add_client_security_args
 
     add_client_security_args(wk)  # --tls, --tls-ca, --tls-cert/--tls-key, --token/--token-file
@@ -149,6 +156,7 @@ def add_bench_engine_options(bench) -> None:
     g.add_argument("--engine-policy", default="goodput", help="controller preset for the controlled runs ('' = none)")
     g.add_argument("--heads", help="heads directory (default: cached, trained on first use)")
     g.add_argument("--threads", type=int, default=1)
+    g.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
     g.add_argument("--warmup-prompts", type=int, default=0,
                    help="other held-out prompts run untimed under the controller before each batch size (0 = cold)")
 
@@ -160,4 +168,5 @@ def bench_engine(args: argparse.Namespace) -> int:
         out_dir=args.out, model_name=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
         prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         depths=tuple(int(d) for d in args.depths.split(",")), drafters=tuple(args.drafters.split(",")),
-        policy=args.engine_policy, threads=args.threads, heads_dir=args.heads, warmup_prompts=args.warmup_prompts)
+        policy=args.engine_policy, threads=args.threads, heads_dir=args.heads, warmup_prompts=args.warmup_prompts,
+        kernels=args.kernels)

@@ -66,12 +66,14 @@ KNOWN_GGUF: dict[str, GgufSource] = {
 
 class LoadedModel(NamedTuple):
     """``source`` says where the weights came from: ``"gguf"`` (dequantised
-    now, then cached), ``"cache"`` (fp32 cache hit) or ``"checkpoint"``."""
+    now, then cached), ``"cache"`` (fp32 cache hit) or ``"checkpoint"``.
+    ``kernels``: what ``tune_kernels`` did (``worker.engine.kernels``)."""
 
     model: torch.nn.Module
     tokenizer: object | None
     source: str
     path: Path  # cache dir for GGUF sources, checkpoint dir otherwise
+    kernels: object | None = None  # KernelReport, or None when not tuned
 
 
 # --------------------------------------------------------------------------
@@ -271,6 +273,8 @@ def load_model(
     name_or_path: str,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    tune_kernels: bool = False,
+    log=print,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, in eval mode.
 
@@ -281,6 +285,12 @@ def load_model(
     device : str or torch.device
     dtype : torch.dtype
         Compute dtype; the cache always stores fp32.
+    tune_kernels : bool
+        Freeze the weights and give the linear layers row-count-aware CPU
+        kernels (``worker.engine.kernels.tune_model``: timed on first use,
+        then cached); inference only. Ignored off the CPU.
+    log : callable
+        Where the kernel summary goes (None: nowhere).
 
     Returns
     -------
@@ -312,4 +322,11 @@ def load_model(
             _write_cache(where, model, tokenizer)
             source = "gguf"
     model = model.to(device=device, dtype=dtype).eval()
-    return LoadedModel(model, tokenizer, source, where)
+    kernels = None
+    if tune_kernels:
+        from worker.engine.kernels import tune_model
+
+        for p in model.parameters():
+            p.requires_grad_(False)
+        kernels = tune_model(model, log=log)
+    return LoadedModel(model, tokenizer, source, where, kernels)

@@ -70,6 +70,8 @@ class WorkerOptions:
     heads_poll_s: float = 0.0
     # TLS / mutual TLS and the bearer token, when the controller has them on.
     security: ClientSecurity = field(default_factory=ClientSecurity)
+    # "tuned": row-count-aware CPU kernels for the target's linears (worker.engine.kernels); "default": F.linear.
+    kernels: str = "tuned"
 
 
 def parse_static(text: str, default: Decision) -> Decision:
@@ -374,7 +376,7 @@ def _heads_version_on_disk(directory: str, kind: str) -> str:
 def load_worker(opts: WorkerOptions, log_fn=print) -> ReferenceWorker:
     from worker.models import load_model
 
-    lm = load_model(opts.model)
+    lm = load_model(opts.model, tune_kernels=opts.kernels == "tuned", log=log_fn)
     for p in lm.model.parameters():
         p.requires_grad_(False)
     drafter = build_drafter(opts.drafter, lm.model, opts.heads, opts.model, opts.max_depth, opts.max_width,

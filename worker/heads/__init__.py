@@ -70,12 +70,15 @@ def train_heads(
     extra_tokens: int = 50_000,
     samples: int = DEFAULT_DATA.samples,
     temperature: float = DEFAULT_DATA.temperature,
+    tune_kernels: bool = True,
     log=print,
 ) -> "HeadsBundle":
     """Load the target, distil, train ``kind`` heads, save them in ``out_dir``.
 
     ``samples``: sampled answers (at ``temperature``) per training prompt on
-    top of the greedy one; held-out prompts get none.
+    top of the greedy one; held-out prompts get none. ``tune_kernels``: the
+    target answers on row-count-aware CPU kernels (``worker.engine.kernels``;
+    the heads learn nothing different, the answers come faster).
     """
     from worker.heads.data import build_distill_set
     from worker.heads.train import train
@@ -86,7 +89,7 @@ def train_heads(
         raise ValueError(f"unknown drafter {kind!r} for train-heads: expected one of {KINDS}")
     config = config or TrainConfig(kind=kind)
     config.kind = kind
-    lm = load_model(model_name)
+    lm = load_model(model_name, tune_kernels=tune_kernels, log=log)
     items = load_prompts(prompts)
     if limit:
         items = items[:limit]

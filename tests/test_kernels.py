@@ -1,0 +1,139 @@
+"""Row-count-aware linear kernels (``worker.engine.kernels``): the dispatch
+table's properties, the layer's numerics against ``F.linear``, the cache,
+and greedy decoding through the engine on tuned layers against plain
+``generate``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from policies.table import Decision
+from worker.drafters.oracle import OracleDrafter
+from worker.engine import kernels
+from worker.engine.engine import Engine, static_decide
+from worker.engine.kernels import DENSE, Dispatch, ShapeTiming, TunedLinear, install, plan_dispatch, tune_model
+from worker.models import tiny_llama
+
+pytestmark = pytest.mark.skipif(not kernels.kernels_available(), reason="torch built without oneDNN")
+
+
+def forced(rows_max: int = 24, hint: int = 4) -> Dispatch:
+    """A dispatch that uses every path: oneDNN padded to a multiple of 4, MKL on every third row count."""
+    choices = tuple((DENSE, r) if r % 3 == 0 else (f"onednn:{hint}", -(-r // 4) * 4) for r in range(1, rows_max + 1))
+    return Dispatch(hint, choices, tuple(float(r) for r in range(1, rows_max + 1)))
+
+
+def test_dispatch_pads_upwards_onto_the_grid_and_never_gets_cheaper_with_more_rows():
+    rng = np.random.default_rng(3)
+    rows = (1, 2, 3, 4, 6, 8, 12, 16)
+    for _ in range(50):
+        ms = {k: tuple(rng.uniform(1, 10, len(rows))) for k in (DENSE, "onednn:4", "onednn:16")}
+        d = plan_dispatch(ShapeTiming(8, 4, 1, rows, ms))
+        assert len(d.choices) == rows[-1]
+        allowed = [DENSE] + ([f"onednn:{d.hint}"] if d.hint is not None else [])
+        for r, ((kernel, padded), cost) in enumerate(zip(d.choices, d.ms), start=1):
+            assert kernel in allowed and padded >= r and padded in rows
+            assert cost == ms[kernel][rows.index(padded)]
+            # the cheapest measured way to run r rows among the kept kernels
+            assert cost == min(ms[k][i] for k in allowed for i, g in enumerate(rows) if g >= r)
+        assert all(a <= b for a, b in zip(d.ms, d.ms[1:]))
+
+
+def test_dispatch_keeps_no_packed_copy_unless_it_pays():
+    rows = (1, 2, 4)
+    close = plan_dispatch(ShapeTiming(8, 4, 1, rows, {DENSE: (1.0, 2.0, 3.0), "onednn:4": (0.99, 1.99, 2.99)}))
+    assert close.hint is None and {k for k, _ in close.choices} == {DENSE}
+    better = plan_dispatch(ShapeTiming(8, 4, 1, rows, {DENSE: (1.0, 2.0, 3.0), "onednn:4": (0.5, 1.0, 1.5)}))
+    assert better.hint == 4 and better.choices[0] == ("onednn:4", 1)
+
+
+def test_tuned_layer_equals_f_linear_for_every_row_count_and_layout():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(37, 53)
+    tuned = TunedLinear(layer, forced())
+    with torch.inference_mode():
+        for rows in range(1, 31):  # past the table's end too
+            x = torch.randn(rows, 37)
+            torch.testing.assert_close(tuned(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        x = torch.randn(2, 5, 37)  # [batch, tokens, features], as a decoder layer calls it
+        assert tuned(x).shape == (2, 5, 53)
+        torch.testing.assert_close(tuned(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        strided = torch.randn(37, 7).t()  # not contiguous
+        torch.testing.assert_close(tuned(strided), F.linear(strided, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+
+def test_tuned_layer_runs_the_kernel_and_padding_its_dispatch_names(monkeypatch):
+    calls = []
+    packed_linear = kernels._packed_linear
+    monkeypatch.setattr(kernels, "_packed_linear", lambda x, p, b: calls.append(x.shape[0]) or packed_linear(x, p, b))
+    tuned = TunedLinear(torch.nn.Linear(16, 8), forced(rows_max=22))
+    with torch.inference_mode():
+        for rows in (1, 3, 5, 6, 30):
+            tuned(torch.randn(rows, 16))
+    assert calls == [4, 8, 30]  # 3 and 6 rows go to MKL; 30 is past the table: its last kernel, unpadded
+
+
+def test_tuned_layer_falls_back_to_f_linear_under_autograd():
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(16, 8)
+    tuned = TunedLinear(layer, forced())
+    x = torch.randn(5, 16, requires_grad=True)
+    y = tuned(x)
+    assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
+    y.sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_tune_model_times_installs_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    torch.set_num_threads(1)
+    model, _ = tiny_llama(seed=0)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    lines = []
+    first = tune_model(model, reps=1, rows=(1, 2, 4, 8), show_progress=False, log=lines.append)
+    assert not first.cached and first.path.is_file() and first.path.parent == tmp_path / "specctl" / "kernels"
+    assert first.layers == linears and not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert set(first.dispatch) == {f"{o}x{i}" for o, i in ((64, 64), (32, 64), (128, 64), (64, 128))}
+    for key, timing in first.timings.items():
+        assert set(timing.ms) == {DENSE, "onednn:4", "onednn:16", "onednn:64"} and all(
+            t > 0 for ms in timing.ms.values() for t in ms)
+    assert "linear kernels:" in lines[0]
+    again, _ = tiny_llama(seed=0)
+    second = tune_model(again, reps=1, rows=(1, 2, 4, 8), show_progress=False, log=None)
+    assert second.cached and second.dispatch == first.dispatch and second.path == first.path
+    assert tune_model(again, reps=1, rows=(1, 2, 4, 8), show_progress=False, log=None) is None  # nothing left to tune
+    first.path.write_text("{not json")  # a damaged cache is timed again, not trusted
+    third, _ = tiny_llama(seed=0)
+    assert not tune_model(third, reps=1, rows=(1, 2, 4, 8), show_progress=False, log=None).cached
+
+
+def test_tied_output_embedding_stays_tied():
+    model, _ = tiny_llama(seed=0, tie_word_embeddings=True)
+    install(model, {"128x64": forced()})
+    assert isinstance(model.lm_head, TunedLinear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("decision", [Decision.chain(1), Decision.chain(5), Decision(4, 3, 10)])
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_greedy_decoding_on_tuned_layers_equals_plain_generate(decision, max_batch):
+    torch.set_num_threads(1)
+    model, vocab = tiny_llama(seed=0)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 12, 2, 9)]
+    new = 16
+    with torch.inference_mode():
+        refs = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=new + 8)[0, len(p):].tolist()
+                for p in prompts]
+    install(model, {key: forced() for key in ("64x64", "32x64", "128x64", "64x128")})
+    drafter = OracleDrafter({tuple(p): r for p, r in zip(prompts, refs)}, max_depth=6)
+    engine = Engine(model, drafter, static_decide(decision), max_batch=max_batch)
+    assert engine.generate(prompts, new) == [r[:new] for r in refs]
+    assert engine.stats.mean_accepted > 0.5
+    plain = Engine(model, max_batch=max_batch)
+    assert plain.generate(prompts, new) == [r[:new] for r in refs]

@@ -1,0 +1,346 @@
+"""Row-count-aware dispatch of the target's linear layers on the CPU.
+
+Speculative decoding rests on one property of the hardware: a forward over
+a few rows (the root plus its draft nodes) costs about what a forward over
+one row costs, because either way the step is the time it takes to stream
+the weights. On this project's CPU that property depends on the GEMM kernel,
+not on the machine. torch's default ``F.linear`` (MKL sgemm) streams the
+weights once for one row but pays again for every two or three more: over
+SmolLM2's 30 MLP matrices (106 MB, one thread) it took 10.8 / 15.9 / 18.1 /
+13.1 ms for 1 / 2 / 3 / 4 rows, and the 576 × 49 152 LM head 11.1 / 24.6 /
+37.3 / 19.3 ms. oneDNN with a prepacked weight streams them once up to ~16
+rows (MLP 8.1 / 9.7 / 6.9 / 6.3 ms; LM head 8.7 / 12.2 / 8.7 / 6.5 ms), but
+has slow paths of its own (one and two rows cost more than four).
+
+So the engine measures instead of assuming. :func:`tune` times every
+candidate kernel (MKL, and oneDNN with each weight-layout hint of
+``PACK_HINTS``) on the model's own matrices — enough of each shape to
+stream from memory as a real forward does — at each row count of
+``ROW_GRID``, and :func:`plan_dispatch` turns the timings into a table:
+for ``r`` rows, the kernel and the padded row count ``r' ≥ r`` on the grid
+with the least measured time. Zero rows of padding change no real row
+(rows are independent in a matrix product), and taking the minimum over
+``r' ≥ r`` makes the table's cost non-decreasing in ``r``: a forward over
+more rows never costs less, which the controller's cost model relies on.
+Each shape keeps at most one packed copy of its weights (the hint whose
+table is cheapest over the grid), or none when MKL alone is as good.
+
+The outputs differ from ``F.linear`` by float rounding only (a different
+summation order: ~1e-6 relative); greedy decoding stays lossless against
+plain decoding exactly as it was (MKL itself sums differently for one row
+and for several), which the engine tests check on the tuned model.
+
+Tables are cached per (CPU, torch, threads, shapes) under
+``$XDG_CACHE_HOME/specctl/kernels/``. The packed weights are copies: the
+model must stay frozen once tuned (inference only; with autograd on, a
+tuned layer falls back to ``F.linear`` on the original weight).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DENSE", "PACK_HINTS", "ROW_GRID", "Dispatch", "KernelReport", "ShapeTiming", "TunedLinear",
+           "install", "kernels_available", "plan_dispatch", "tune", "tune_model"]
+
+DENSE = "dense"
+# Row counts timed: every count a decode or verify step of up to 8 rows × 8
+# nodes meets is at most one grid step away.
+ROW_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 56, 64, 80, 96, 128)
+PACK_HINTS = (4, 16, 64)  # oneDNN's "expected rows" for the weight layout
+# Matrices of one shape timed together: past the last-level cache, as in a forward.
+STREAM_BYTES = 48 << 20
+_FORMAT = 1
+
+
+def kernels_available() -> bool:
+    """oneDNN's prepacked linear is in this torch build."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _onednn(hint: int) -> str:
+    return f"onednn:{hint}"
+
+
+def _hint(kernel: str) -> int:
+    return int(kernel.split(":", 1)[1])
+
+
+def _pack(weight: torch.Tensor, hint: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), hint)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class ShapeTiming:
+    """Median milliseconds per matrix of one ``[out, in]`` shape, per kernel
+    and row count (``ms[kernel][i]`` at ``rows[i]``)."""
+
+    out_features: int
+    in_features: int
+    matrices: int  # how many of the model's matrices were timed together
+    rows: tuple[int, ...]
+    ms: dict[str, tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What a tuned layer runs for ``r`` rows: ``choices[r - 1]`` = (kernel,
+    padded rows) for ``r`` up to the grid's end; past it, the last entry's
+    kernel on the rows as they are. ``hint``: the oneDNN layout packed (None:
+    MKL only). ``ms[r - 1]``: the measured cost of that choice."""
+
+    hint: int | None
+    choices: tuple[tuple[str, int], ...]
+    ms: tuple[float, ...]
+
+    def lookup(self, rows: int) -> tuple[str, int]:
+        if rows <= len(self.choices):
+            return self.choices[rows - 1]
+        return self.choices[-1][0], rows
+
+
+def plan_dispatch(timing: ShapeTiming, keep_dense_within: float = 0.02) -> Dispatch:
+    """The cheapest (kernel, padded rows ≥ r) for every r on ``timing``'s grid.
+
+    One oneDNN hint is kept per shape: the one whose table costs least summed
+    over the grid; MKL alone is kept when it comes within
+    ``keep_dense_within`` of that (no packed copy of the weights then).
+
+    >>> t = ShapeTiming(8, 4, 1, (1, 2, 4), {"dense": (1.0, 3.0, 2.0), "onednn:4": (2.0, 2.5, 1.5)})
+    >>> d = plan_dispatch(t)
+    >>> d.hint, d.choices
+    (4, (('dense', 1), ('onednn:4', 4), ('onednn:4', 4), ('onednn:4', 4)))
+    >>> d.lookup(3), d.lookup(9)
+    (('onednn:4', 4), ('onednn:4', 9))
+    """
+    rows = np.asarray(timing.rows)
+
+    def table(kernels: list[str]) -> tuple[list[tuple[str, int]], list[float]]:
+        costs = np.stack([np.asarray(timing.ms[k]) for k in kernels])  # [kernels, grid]
+        choices, ms = [], []
+        for r in range(1, int(rows[-1]) + 1):
+            at = np.flatnonzero(rows >= r)  # grid points that fit r rows
+            k, g = np.unravel_index(np.argmin(costs[:, at]), (len(kernels), len(at)))
+            choices.append((kernels[k], int(rows[at[g]])))
+            ms.append(float(costs[k, at[g]]))
+        return choices, ms
+
+    dense_only = best = table([DENSE])
+    best_hint = None
+    for kernel in sorted(k for k in timing.ms if k != DENSE):
+        candidate = table([DENSE, kernel])
+        if sum(candidate[1]) < sum(best[1]):
+            best_hint, best = _hint(kernel), candidate
+    if sum(dense_only[1]) <= (1 + keep_dense_within) * sum(best[1]):
+        best_hint, best = None, dense_only
+    return Dispatch(best_hint, tuple(best[0]), tuple(best[1]))
+
+
+class TunedLinear(torch.nn.Module):
+    """``nn.Linear`` whose forward runs the kernel its :class:`Dispatch` picks
+    for the number of rows. Shares ``weight`` and ``bias`` with the layer it
+    replaces (tied embeddings stay tied); the packed copy is not a parameter."""
+
+    def __init__(self, linear: torch.nn.Linear, dispatch: Dispatch) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.dispatch = dispatch
+        self._packed = None if dispatch.hint is None else _pack(linear.weight, dispatch.hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None or x.dtype != self._packed.dtype or (
+                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        kernel, padded = self.dispatch.lookup(rows)
+        if kernel == DENSE:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features)  # [rows, in]
+        if padded > rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
+        out = _packed_linear(flat.contiguous(), self._packed, self.bias)  # [padded, out]
+        return out[:rows].reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed_hint={self.dispatch.hint}"
+
+
+def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """(parent, attribute, layer) of every plain ``nn.Linear`` in ``model``."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is torch.nn.Linear:
+                found.append((parent, name, child))
+    return found
+
+
+def _kernels(weights: list[torch.Tensor], hints: Iterable[int]) -> dict[str, Callable[[torch.Tensor], None]]:
+    def dense(x: torch.Tensor) -> None:
+        for w in weights:
+            F.linear(x, w)
+
+    def onednn(packed: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+        def run(x: torch.Tensor) -> None:
+            for p in packed:
+                _packed_linear(x, p, None)
+        return run
+
+    out: dict[str, Callable[[torch.Tensor], None]] = {DENSE: dense}
+    for h in hints:
+        out[_onednn(h)] = onednn([_pack(w, h) for w in weights])
+    return out
+
+
+@torch.inference_mode()
+def tune(weights: list[torch.Tensor], rows: tuple[int, ...] = ROW_GRID, hints: tuple[int, ...] = PACK_HINTS,
+         reps: int = 3, progress: Callable[[], None] | None = None) -> ShapeTiming:
+    """Median ms per matrix of each kernel at each row count, over ``weights``
+    (all of one ``[out, in]`` shape) run back to back. Kernels and row counts
+    are interleaved within every repetition, so a slow moment of a shared
+    machine falls on all of them alike. ``progress`` is called once per row
+    count and repetition."""
+    out_f, in_f = weights[0].shape
+    kernels = _kernels(weights, hints)
+    inputs = {r: torch.randn(r, in_f) for r in rows}
+    for run in kernels.values():  # first touch: page in the packed copies
+        run(inputs[rows[0]])
+    samples = {k: [[] for _ in rows] for k in kernels}
+    names = list(kernels)
+    for rep in range(reps):
+        for i, r in enumerate(rows):
+            shift = (rep + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                t0 = time.perf_counter()
+                kernels[name](inputs[r])
+                samples[name][i].append(time.perf_counter() - t0)
+            if progress is not None:
+                progress()
+    ms = {k: tuple(round(1e3 * float(np.median(s)) / len(weights), 5) for s in per_row) for k, per_row in
+          samples.items()}
+    return ShapeTiming(int(out_f), int(in_f), len(weights), tuple(rows), ms)
+
+
+@dataclass
+class KernelReport:
+    """What :func:`tune_model` did: per shape (``"out x in"``), the timing and
+    the dispatch; ``cached``: read from the cache file; ``layers``: layers tuned."""
+
+    path: Path | None
+    cached: bool
+    layers: int
+    timings: dict[str, ShapeTiming]
+    dispatch: dict[str, Dispatch]
+
+    def summary(self) -> str:
+        lines = [f"linear kernels: {self.layers} layers, {len(self.dispatch)} shapes"
+                 + (f" (cached {self.path})" if self.cached else f" (tuned, saved to {self.path})" if self.path else "")]
+        for key, d in self.dispatch.items():
+            t = self.timings[key]
+            r = {n: i for i, n in enumerate(t.rows)}
+            picks = ", ".join(f"{n} rows {d.ms[n - 1] / t.ms[DENSE][r[n]]:.2f}x" for n in (1, 2, 3, 4, 8, 16)
+                              if n in r and n <= len(d.ms))
+            lines.append(f"  {key}: {'MKL only' if d.hint is None else f'oneDNN hint {d.hint}'}; time vs MKL: {picks}")
+        return "\n".join(lines)
+
+
+def _cache_dir() -> Path:
+    from worker.models import cache_root
+
+    return cache_root().parent / "kernels"
+
+
+def _cache_key(shapes: list[tuple[int, int]], dtype: torch.dtype, rows, hints) -> str:
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
+    except OSError:
+        cpu = ""
+    import platform
+
+    ident = [_FORMAT, cpu or platform.processor(), platform.machine(), torch.__version__, torch.get_num_threads(),
+             str(dtype), sorted(shapes), list(rows), list(hints)]
+    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+
+
+def _load(path: Path) -> tuple[dict[str, ShapeTiming], dict[str, Dispatch]] | None:
+    try:
+        data = json.loads(path.read_text())
+        timings = {k: ShapeTiming(**{**v, "rows": tuple(v["rows"]), "ms": {n: tuple(m) for n, m in v["ms"].items()}})
+                   for k, v in data["timings"].items()}
+        dispatch = {k: Dispatch(v["hint"], tuple((c[0], int(c[1])) for c in v["choices"]), tuple(v["ms"]))
+                    for k, v in data["dispatch"].items()}
+        return timings, dispatch
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def install(model: torch.nn.Module, dispatch: dict[str, Dispatch]) -> int:
+    """Replace every ``nn.Linear`` whose shape has a dispatch by a
+    :class:`TunedLinear`; returns how many were replaced."""
+    count = 0
+    for parent, name, layer in _linears(model):
+        key = f"{layer.out_features}x{layer.in_features}"
+        if key in dispatch:
+            setattr(parent, name, TunedLinear(layer, dispatch[key]))
+            count += 1
+    return count
+
+
+def tune_model(model: torch.nn.Module, cache: bool = True, reps: int = 3, rows: tuple[int, ...] = ROW_GRID,
+               hints: tuple[int, ...] = PACK_HINTS, show_progress: bool = True, log=print) -> KernelReport | None:
+    """Time, choose and install row-count-aware kernels for ``model``'s
+    linear layers (fp32 or bf16 on the CPU). Returns None, changing nothing,
+    where oneDNN is missing or the model is elsewhere; a model tuned before
+    is left as it is (its layers are no longer plain ``nn.Linear``)."""
+    layers = _linears(model)
+    if not layers or not kernels_available():
+        return None
+    weight = layers[0][2].weight
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    by_shape: dict[str, list[torch.Tensor]] = {}
+    for _, _, layer in layers:
+        by_shape.setdefault(f"{layer.out_features}x{layer.in_features}", []).append(layer.weight.detach())
+    path = _cache_dir() / f"{_cache_key([tuple(w[0].shape) for w in by_shape.values()], weight.dtype, rows, hints)}.json"
+    loaded = _load(path) if cache else None
+    if loaded is None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(by_shape) * len(rows) * reps, desc="tune linear kernels", unit="point",
+                   disable=not show_progress)
+        timings = {}
+        for key, weights in by_shape.items():
+            per = weights[0].numel() * weights[0].element_size()
+            take = max(1, min(len(weights), -(-STREAM_BYTES // per)))
+            timings[key] = tune(weights[:take], rows, hints, reps, progress=lambda: bar.update(1))
+        bar.close()
+        dispatch = {k: plan_dispatch(t) for k, t in timings.items()}
+        if cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"timings": {k: asdict(t) for k, t in timings.items()},
+                                       "dispatch": {k: asdict(d) for k, d in dispatch.items()}}, indent=1))
+            tmp.replace(path)
+        cached = False
+    else:
+        (timings, dispatch), cached = loaded, True
+    report = KernelReport(path if cache else None, cached, install(model, dispatch), timings, dispatch)
+    if log is not None:
+        log(report.summary())
+    return report
