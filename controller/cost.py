@@ -3,7 +3,7 @@
 Verification follows a roofline with two planes:
 
     verify_ms = max(mem_ms + mem_ms_per_kv_token · kv_tokens,
-                    compute_ms + compute_ms_per_token · batch_tokens
+                    compute_ms + curve(batch_tokens)
                                + compute_ms_per_pair · attn_pairs)
 
 where ``batch_tokens = Σ_i (1 + nodes_i)`` is what the target forward
@@ -14,10 +14,22 @@ attention flops outweigh its GEMM flops, so a per-token slope alone would
 price the same node wrong at every context length but one. One fit covers
 the three regimes of design.md §3: at small batch the memory plane
 (weights) dominates and extra draft tokens are free; at large batch with
-short context the compute plane dominates and every extra token costs
-``compute_ms_per_token``; at large batch with long context the KV term
-lifts the memory plane back above the compute plane and speculation is
-cheap again.
+short context the compute plane dominates and every extra token costs its
+slope; at large batch with long context the KV term lifts the memory plane
+back above the compute plane and speculation is cheap again.
+
+``curve`` is monotone piecewise linear in batch tokens, on the knots of
+``COMPUTE_KNOTS`` (every count up to 8, then four per octave): a roofline's
+compute plane is the special case of one slope, and real kernels are not
+that. A GEMM runs in tiles of rows, so its time climbs in steps (wave and
+tile quantisation on a GPU; on the reference worker's CPU a forward over
+1–6 tokens costs the same and the 7th adds 40 %). One slope fitted through
+such steps prices some tree sizes far too cheap and others far too dear.
+Each segment's slope is fitted (non-negative: more tokens never cost
+less), pulled toward its neighbours so that sparse data gives a smooth
+curve, and continued past the data at the last supported slope
+(``compute_ms_per_token`` holds it; without knots the plane is the linear
+``compute_ms + compute_ms_per_token · batch_tokens``, the hardware prior).
 
 Drafting is linear: ``draft_ms = draft_fixed_ms·[any speculation] +
 draft_ms_per_level·max_depth + draft_ms_per_node·Σ nodes +
@@ -26,19 +38,25 @@ an autoregressive drafter reading its own KV cache once per level, which
 matters at long context.
 
 Memory is bounded: verify observations land in a fixed grid of cells over
-(log2 batch_tokens, log2 kv_tokens), each keeping decayed weighted sums; the
-draft model keeps 4×4 normal-equation sums. Nothing grows with traffic.
+(batch-token segment, log2 kv_tokens), each keeping decayed weighted sums;
+the draft model keeps 4×4 normal-equation sums. Nothing grows with traffic.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 from scipy.optimize import nnls
 
-BATCH_BITS = 14  # batch tokens up to 16k per step
+# Knots of the compute curve (batch tokens); the verify sketch's batch cells are
+# the intervals between them (the last one open), so no cell straddles a knot.
+COMPUTE_KNOTS = (1, 2, 3, 4, 5, 6, 7, 8) + tuple(
+    int(base * f) for base in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    for f in (1.25, 1.5, 1.75, 2.0))
+_KNOTS = np.asarray(COMPUTE_KNOTS, dtype=float)
 PENDING_FOLD = 256  # steps buffered before they are folded into the sketches
 KV_BITS = 30  # KV tokens up to 1G per step
 
@@ -50,6 +68,10 @@ class CostParams:
     compute_ms: float = 0.0
     compute_ms_per_token: float = 0.0
     compute_ms_per_pair: float = 0.0
+    # The compute curve: batch tokens at the knots and the ms it has risen above
+    # ``compute_ms`` there (non-decreasing, 0 at the first knot). Empty: linear plane.
+    compute_knots: tuple[float, ...] = ()
+    compute_rise_ms: tuple[float, ...] = ()
     draft_fixed_ms: float = 0.0
     draft_ms_per_level: float = 0.5
     draft_ms_per_node: float = 0.0
@@ -102,10 +124,33 @@ class CostParams:
             draft_ms_per_node=0.0,
         )
 
+    @cached_property
+    def _curve(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if not self.compute_knots:
+            return None
+        return np.asarray(self.compute_knots, dtype=float), np.asarray(self.compute_rise_ms, dtype=float)
+
+    def segment_slopes(self, knots) -> np.ndarray:
+        """ms per batch token of the compute curve on each segment between
+        ``knots`` (the last entry: past the last knot)."""
+        k = np.asarray(knots, dtype=float)
+        if self._curve is None:
+            return np.full(len(k), self.compute_ms_per_token)
+        inner = np.diff(self.compute_curve_ms(k)) / np.diff(k)
+        return np.append(inner, self.compute_ms_per_token)
+
+    def compute_curve_ms(self, batch_tokens):
+        """The compute plane's batch-token part: ``curve(batch_tokens)``."""
+        n = np.asarray(batch_tokens, dtype=float)
+        if self._curve is None:
+            return self.compute_ms_per_token * n
+        knots, rise = self._curve
+        return np.interp(n, knots, rise) + self.compute_ms_per_token * np.maximum(n - knots[-1], 0.0)
+
     def verify_ms(self, batch_tokens, kv_tokens, attn_pairs=0.0):
         """One target forward (scalars or arrays); ``attn_pairs`` 0 leaves attention flops out."""
         mem = self.mem_ms + self.mem_ms_per_kv_token * np.asarray(kv_tokens, dtype=float)
-        comp = (self.compute_ms + self.compute_ms_per_token * np.asarray(batch_tokens, dtype=float)
+        comp = (self.compute_ms + self.compute_curve_ms(batch_tokens)
                 + self.compute_ms_per_pair * np.asarray(attn_pairs, dtype=float))
         out = np.maximum(mem, comp)
         return float(out) if out.ndim == 0 else out
@@ -125,9 +170,26 @@ class CostParams:
 
 
 # Internal scaling keeps the least-squares problems well conditioned.
-_N_SCALE = 1e3
 _KV_SCALE = 1e6
 _P_SCALE = 1e7
+# Weight (in observations) of the pull between neighbouring segment slopes.
+SMOOTHNESS = 1.0
+
+
+def _segments(knots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start and length of every compute-curve segment; the last one (past the
+    last knot) is open and gets the last knot as its length scale."""
+    return knots, np.append(np.diff(knots), knots[-1])
+
+
+def _segment_basis(batch_tokens: np.ndarray, start: np.ndarray, length: np.ndarray, open_last: bool) -> np.ndarray:
+    """``[points, segments]``: how far into each segment a point's batch reaches,
+    as a fraction of the segment (``open_last``: the last one is not clipped at 1)."""
+    into = (batch_tokens[:, None] - start[None, :]) / length[None, :]
+    clipped = np.clip(into, 0.0, 1.0)
+    if open_last and clipped.shape[1]:
+        clipped[:, -1] = np.maximum(into[:, -1], 0.0)
+    return clipped
 
 
 def fit_max_planes(
@@ -139,6 +201,7 @@ def fit_max_planes(
     prior_weight: float,
     iterations: int = 25,
     attn_pairs: np.ndarray | None = None,
+    knots: tuple[float, ...] = COMPUTE_KNOTS,
 ) -> CostParams:
     """Fit ``max(mem plane, compute plane)`` by alternating assignment.
 
@@ -146,21 +209,44 @@ def fit_max_planes(
     time, then each plane is refitted by non-negative weighted least squares
     on its points, ridge-pulled toward ``prior`` (which alone decides a plane
     that no point supports). Several starts; the lowest weighted SSE wins.
+
+    The compute plane's unknowns are its intercept, the pairs slope and the
+    rise over each segment of the compute curve that the data's batch-token
+    range covers (rises ≥ 0: the curve never falls); neighbouring slopes are
+    pulled together with the weight of ``SMOOTHNESS`` observations. Segments
+    below the data are flat (the intercept holds them); past it the curve
+    continues at the last fitted slope.
     """
     ones = np.ones(len(batch_tokens))
     pairs = np.zeros(len(batch_tokens)) if attn_pairs is None else attn_pairs
+    start, length = _segments(np.asarray(knots, dtype=float))
+    active = np.flatnonzero((start < batch_tokens.max()) & (start + length > batch_tokens.min()))
+    seg_x = _segment_basis(batch_tokens, start[active], length[active],
+                           open_last=bool(len(active)) and active[-1] == len(start) - 1)  # [points, active segments]
     mem_x = np.column_stack([ones, kv_tokens / _KV_SCALE])  # [points, 2]
-    comp_x = np.column_stack([ones, batch_tokens / _N_SCALE, pairs / _P_SCALE])  # [points, 3]
+    comp_x = np.column_stack([ones, pairs / _P_SCALE, seg_x])  # [points, 2 + active]
     sw = np.sqrt(weights)
     prior_mem = np.array([prior.mem_ms, prior.mem_ms_per_kv_token * _KV_SCALE])
-    prior_comp = np.array([prior.compute_ms, prior.compute_ms_per_token * _N_SCALE,
-                           prior.compute_ms_per_pair * _P_SCALE])
+    # The intercept is the plane's value where the data starts: at the first active segment.
+    anchor = start[active[0]] if len(active) else batch_tokens.min()
+    prior_comp = np.concatenate([[prior.compute_ms + float(prior.compute_curve_ms(anchor)),
+                                  prior.compute_ms_per_pair * _P_SCALE],
+                                 prior.segment_slopes(knots)[active] * length[active]])
     ridge = math.sqrt(prior_weight)
+    # Smoothness rows: (slope_j - slope_{j+1}) times their mean length, for neighbouring active segments.
+    smooth = np.zeros((max(len(active) - 1, 0), comp_x.shape[1]))
+    for row, (a, b) in enumerate(zip(active[:-1], active[1:])):
+        scale = math.sqrt(SMOOTHNESS) * 0.5 * (length[a] + length[b])
+        smooth[row, 2 + row] = scale / length[a]
+        smooth[row, 3 + row] = -scale / length[b]
 
-    def solve(x: np.ndarray, mask: np.ndarray, prior_vec: np.ndarray) -> np.ndarray:
-        design = np.vstack([x[mask] * sw[mask, None], ridge * np.eye(len(prior_vec))])
-        target = np.concatenate([verify_ms[mask] * sw[mask], ridge * prior_vec])
-        return nnls(design, target)[0]
+    def solve(x: np.ndarray, mask: np.ndarray, prior_vec: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
+        blocks = [x[mask] * sw[mask, None], ridge * np.eye(len(prior_vec))]
+        target = [verify_ms[mask] * sw[mask], ridge * prior_vec]
+        if extra is not None and len(extra):
+            blocks.append(extra)
+            target.append(np.zeros(len(extra)))
+        return nnls(np.vstack(blocks), np.concatenate(target))[0]
 
     def sse(mem: np.ndarray, comp: np.ndarray) -> float:
         pred = np.maximum(mem_x @ mem, comp_x @ comp)
@@ -173,7 +259,7 @@ def fit_max_planes(
         mem, comp = prior_mem, prior_comp
         for _ in range(iterations):
             mem = solve(mem_x, ~mask, prior_mem)
-            comp = solve(comp_x, mask, prior_comp)
+            comp = solve(comp_x, mask, prior_comp, smooth)
             new_mask = comp_x @ comp > mem_x @ mem
             if np.array_equal(new_mask, mask):
                 break
@@ -182,14 +268,16 @@ def fit_max_planes(
         if best is None or err < best[0]:
             best = (err, mem, comp)
     _, mem, comp = best
-    return replace(
-        prior,
-        mem_ms=float(mem[0]),
-        mem_ms_per_kv_token=float(mem[1] / _KV_SCALE),
-        compute_ms=float(comp[0]),
-        compute_ms_per_token=float(comp[1] / _N_SCALE),
-        compute_ms_per_pair=float(comp[2] / _P_SCALE),
-    )
+    fitted = replace(prior, mem_ms=float(mem[0]), mem_ms_per_kv_token=float(mem[1] / _KV_SCALE),
+                     compute_ms_per_pair=float(comp[1] / _P_SCALE))
+    if not len(active):  # one batch size only: the curve keeps the prior's shape
+        return replace(fitted, compute_ms=float(comp[0]) - float(prior.compute_curve_ms(anchor)))
+    slopes = np.zeros(len(start))  # flat below the data
+    slopes[active] = comp[2:] / length[active]
+    slopes[active[-1] + 1:] = slopes[active[-1]]  # continued past it
+    rise = np.concatenate([[0.0], np.cumsum(slopes[:-1] * length[:-1])])  # 0 up to the anchor
+    return replace(fitted, compute_ms=float(comp[0]), compute_ms_per_token=float(slopes[-1]),
+                   compute_knots=tuple(float(k) for k in start), compute_rise_ms=tuple(float(r) for r in rise))
 
 
 class StepCostModel:
@@ -223,7 +311,7 @@ class StepCostModel:
         self.prior = prior
         self.prior_weight = prior_weight
         self.max_cell_weight = max_cell_weight
-        cells = BATCH_BITS * KV_BITS
+        cells = len(COMPUTE_KNOTS) * KV_BITS
         # Per cell: weight, Σw·N, Σw·KV, Σw·pairs, Σw·T, Σw·T².
         self._w = np.zeros(cells)
         self._n = np.zeros(cells)
@@ -266,8 +354,9 @@ class StepCostModel:
             self.samples += len(self._pending)
             self._pending.clear()
             n, kv, t, pairs = obs[:, 0], obs[:, 1], obs[:, 2], obs[:, 3]
-            # frexp's exponent of x >= 1 is int(x).bit_length(); 0 stays in cell 0.
-            b = np.where(n >= 1, np.minimum(np.frexp(np.maximum(n, 1.0))[1], BATCH_BITS - 1), 0)
+            # Batch cells: the compute curve's segments; KV cells: frexp's exponent of
+            # x >= 1 is int(x).bit_length(), 0 stays in cell 0.
+            b = np.clip(np.searchsorted(_KNOTS, n, side="right") - 1, 0, len(_KNOTS) - 1)
             k = np.where(kv >= 1, np.minimum(np.frexp(np.maximum(kv, 1.0))[1], KV_BITS - 1), 0)
             cells = b * KV_BITS + k
             for arr, values in ((self._w, np.ones_like(t)), (self._n, n), (self._kv, kv), (self._pairs, pairs),

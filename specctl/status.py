@@ -6,6 +6,7 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from controller.cost import CostParams
 from protos.speculation.v1 import controller_pb2, controller_pb2_grpc, plan_pb2, worker_pb2
 from worker.security import ClientSecurity
 
@@ -39,13 +40,32 @@ def plan_summary(plan: plan_pb2.Plan, context_len: float) -> str:
     return " · ".join(runs)
 
 
+def cost_params(c: controller_pb2.CostModel) -> CostParams:
+    """The fitted cost model of a ``GetStatus`` answer, as the controller holds it."""
+    return CostParams(mem_ms=c.mem_ms, mem_ms_per_kv_token=c.mem_ms_per_kv_token, compute_ms=c.compute_ms,
+                      compute_ms_per_token=c.compute_ms_per_token, compute_ms_per_pair=c.compute_ms_per_pair,
+                      compute_knots=tuple(c.compute_knots), compute_rise_ms=tuple(c.compute_rise_ms),
+                      draft_fixed_ms=c.draft_fixed_ms, draft_ms_per_level=c.draft_ms_per_level,
+                      draft_ms_per_node=c.draft_ms_per_node, draft_ms_per_level_kv_token=c.draft_ms_per_level_kv_token)
+
+
+def compute_plane(c: controller_pb2.CostModel) -> str:
+    """``compute_ms + compute_ms_per_token·tok``, or for a fitted curve its value at a few batch sizes."""
+    if not c.compute_knots:
+        return f"{c.compute_ms:.2f} + {c.compute_ms_per_token:.2e}·tok"
+    params = cost_params(c)
+    points = [n for n in (1, 4, 16, 64, 256) if n >= c.compute_knots[0]]
+    return "compute " + " ".join(f"{n}:{c.compute_ms + float(params.compute_curve_ms(n)):.1f}" for n in points)
+
+
 def estimated_speedup(w: controller_pb2.WorkerStatus) -> float | None:
     """Goodput the plan was expected to give over plain decoding at the worker's
     mean batch and context, plain decoding priced by the fitted cost model."""
-    c, b = w.cost_model, max(w.mean_batch_size, 1.0)
+    b = max(w.mean_batch_size, 1.0)
     if not w.HasField("plan") or w.plan.expected_goodput_tok_s <= 0:
         return None
-    plain_ms = max(c.mem_ms + c.mem_ms_per_kv_token * b * w.mean_context_len, c.compute_ms + c.compute_ms_per_token * b)
+    kv = b * w.mean_context_len
+    plain_ms = cost_params(w.cost_model).verify_ms(b, kv, kv)
     return w.plan.expected_goodput_tok_s / (1000.0 * b / plain_ms) if plain_ms > 0 else None
 
 
@@ -71,7 +91,7 @@ def render_status(status: controller_pb2.GetStatusResponse) -> list[Table]:
             str(w.steps_ingested), f"{w.mean_batch_size:.1f}",
             f"{w.mean_context_len:,.0f}", f"{w.observed_goodput_tok_s:,.0f}",
             f"{speedup:.2f}×" if speedup is not None else "–",
-            f"max({c.mem_ms:.2f} + {c.mem_ms_per_kv_token:.2e}·kv, {c.compute_ms:.2f} + {c.compute_ms_per_token:.2e}·tok)",
+            f"max({c.mem_ms:.2f} + {c.mem_ms_per_kv_token:.2e}·kv, {compute_plane(c)})",
             f"{c.rmse_ms:.2f}",
         )
         for a in w.acceptance:

@@ -51,3 +51,34 @@ def test_fit_with_attention_pairs_prices_nodes_right_at_short_and_long_context()
         assert fit.verify_ms(tokens, kv, pairs) == pytest.approx(exact, rel=0.05), (batch, per_request, ctx)
         errors.append(abs(crude.verify_ms(tokens, kv) / exact - 1))
     assert max(errors) > 0.1
+
+
+def test_compute_curve_follows_a_kernel_staircase_and_never_falls():
+    """The reference worker's CPU with tuned kernels (measured, batch 1): a forward
+    over 1–6 tokens costs the same, the 7th adds ~40 %, then it climbs. One slope
+    through those steps misprices the flat part by tens of percent; the curve
+    fits every token count, is non-decreasing, and continues past the data at
+    the last slope."""
+    def truth(n):
+        return 56.0 + np.where(n >= 7, 22.0, 0.0) + 2.5 * np.maximum(n - 8, 0)
+
+    rng = np.random.default_rng(0)
+    model = StepCostModel(prior=CostParams())
+    for _ in range(3000):
+        n = int(rng.integers(1, 41))
+        model.observe_verify(n, 300 * max(1, n // 9), float(truth(np.float64(n)) * rng.normal(1.0, 0.02)))
+    fit = model.refit()
+    n = np.arange(1, 41, dtype=float)
+    pred = fit.verify_ms(n, 300.0)
+    steps = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40]
+    for k in steps:
+        assert pred[k - 1] == pytest.approx(float(truth(np.float64(k))), rel=0.04), k
+    assert np.all(np.diff(fit.verify_ms(np.arange(1, 200, dtype=float), 300.0)) >= -1e-9)
+    assert fit.compute_ms_per_token == pytest.approx(2.5, rel=0.2)
+    far = fit.verify_ms(np.array([80.0, 120.0]), 300.0)
+    assert far[1] - far[0] == pytest.approx(40 * fit.compute_ms_per_token, rel=1e-6)
+    # the same points through a single slope (what the cost model was before the curve)
+    linear = [(truth(np.float64(k)), k) for k in steps]
+    slope, intercept = np.polyfit([k for _, k in linear], [t for t, _ in linear], 1)
+    worst = max(abs((intercept + slope * k) / t - 1) for t, k in linear)
+    assert worst > 0.15
