@@ -16,7 +16,11 @@ through ``worker.engine.Engine`` with ``max_batch = batch``:
   ``generate(prompt_lookup_num_tokens=K)`` on the same model, one prompt at a
   time (transformers' assisted decoding is batch-1 only), batch 1 only; its
   target forwards are counted, so ``steps`` and ``mean_accepted`` compare
-  with the engine's exactly;
+  with the engine's exactly. ``hf-generate`` / ``plain``: transformers' plain
+  greedy ``generate`` the same way, the peer's own baseline
+  (``speedup_vs_hf_plain``): a transformers call decodes one whole prompt
+  uninterrupted, while the engines share the caches with a dozen others in
+  lockstep, so the engine's plain run is not the peer's fair baseline;
 - ``ngram`` / ``medusa`` / ``eagle`` at ``static-dK`` (chains) and under the
   controller (policy = a preset name): an in-process controller on loopback,
   one ``SpeculationAgent`` per drafter; the agent observes the drafter's
@@ -76,6 +80,7 @@ class EngineRun:
     verify_ms_per_step: float = 0.0
     steps: int = 0
     note: str = ""
+    speedup_vs_hf_plain: float = 0.0  # transformers runs: against transformers' plain generate (CPU time)
 
 
 @dataclass
@@ -189,7 +194,10 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
     learned = [d for d in drafters if d in ("ngram", "medusa", "eagle")]
     built = {d: build_drafter(d, model, heads_dir, model_name) for d in learned}
-    controller = BackgroundController(in_process_config(policy)) if policy and learned else None
+    # The controller records what it receives (DIR/engine-telemetry.jsonl.gz: every step's
+    # decisions, times and outcomes), so its choices can be read step by step afterwards.
+    controller = (BackgroundController(in_process_config(policy, record=str(out / "engine-telemetry.jsonl.gz")))
+                  if policy and learned else None)
     agents = {}
     if controller is not None:
         from worker.agent import AgentOptions, SpeculationAgent
@@ -221,11 +229,13 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
             specs.append(("none", "plain-repeat", None, None, None))
             if default_model is not None:
                 specs.append(("none", "plain-default-kernels", None, None, None, default_model))
-            hf = [(k, i) for i in range(len(ids)) for k in depths] if batch == 1 else []
+            # transformers' calls, batch 1 only: plain generate (k = 0) and prompt lookup at each depth
+            hf = [(k, i) for i in range(len(ids)) for k in (0, *depths)] if batch == 1 else []
             _lockstep(model, Engine, specs, hf, ids, reference, batch, max_new_tokens, tallies)
             for d, agent in agents.items():
                 tallies[(d, policy, batch)].note = (f"plan v{agent.plan_version}; decision at this batch at the "
                                                     f"end: {agent.decide('probe', 200, batch)}")
+        fitted = _fitted_costs(controller.address, batches) if controller is not None else {}
     finally:
         import logging
 
@@ -243,6 +253,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         base_cpu = sum(t.tokens / t.cpu for t in plain) / len(plain)
         r.speedup_vs_plain_wall = round(r.tokens_per_s / base, 3)
         r.speedup_vs_plain = round(r.tokens_per_cpu_s / base_cpu, 3)
+        hf_plain = tallies.get(("hf-generate", "plain", r.batch))
+        if r.drafter.startswith("hf-") and hf_plain is not None:
+            r.speedup_vs_hf_plain = round(r.tokens_per_cpu_s / (hf_plain.tokens / hf_plain.cpu), 3)
     result = {
         "model": model_name,
         "prompts": [p.id for p in items],
@@ -252,6 +265,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "controller_warmup_prompts": [p.id for p in both[prompts:]] if agents else [],
         "heads": {d: getattr(built[d], "version", "") for d in learned},
         "kernels": _kernel_summary(lm.kernels),
+        "controller_cost_models": fitted,
         "runs": [asdict(r) for r in runs],
     }
     (out / "engine.json").write_text(json.dumps(result, indent=1))
@@ -283,7 +297,7 @@ def _lockstep(model, engine_cls, specs, hf, ids, reference, batch, max_new_token
         tallies[key] = _Tally()
         if i == 0:  # the peer's rows right after plain's
             for k in dict.fromkeys(k for k, _ in hf):
-                tallies[("hf-prompt-lookup", f"static-d{k}", batch)] = _Tally()
+                tallies[_hf_key(k)] = _Tally()
     expected_rounds = max(1, len(ids) * max_new_tokens // batch)
     hf_every = max(1, expected_rounds // max(len(hf), 1))
     hf = list(hf)
@@ -311,17 +325,20 @@ def _lockstep(model, engine_cls, specs, hf, ids, reference, batch, max_new_token
         tallies[key].add_stats(engine.stats, [r.output for r in requests[key]] == reference)
 
 
+def _hf_key(k: int) -> tuple[str, str, int]:
+    return ("hf-generate", "plain", 1) if k == 0 else ("hf-prompt-lookup", f"static-d{k}", 1)
+
+
 def _hf_call(model, ids, reference, max_new_tokens, call, tallies) -> None:
-    """One prompt through transformers' prompt lookup at depth k (batch 1)."""
+    """One prompt through transformers' prompt lookup at depth k (0: plain greedy generate; batch 1)."""
     k, i = call
-    tallies[("hf-prompt-lookup", f"static-d{k}", 1)].add_hf(
-        _hf_prompt_lookup(model, [ids[i]], max_new_tokens, k, [reference[i]]))
+    tallies[_hf_key(k)].add_hf(_hf_prompt_lookup(model, [ids[i]], max_new_tokens, k, [reference[i]]))
 
 
 @torch.inference_mode()
 def _hf_prompt_lookup(model, ids, max_new_tokens, k, reference) -> EngineRun:
-    """transformers' prompt lookup, one prompt at a time. Its target
-    forwards are counted with a forward hook, so its mean
+    """transformers' prompt lookup (``k`` = 0: plain greedy), one prompt at a
+    time. Its target forwards are counted with a forward hook, so its mean
     accepted length is comparable with the engine's: steps are
     deterministic under greedy decoding, unlike the clock."""
     outs, tokens, forwards = [], 0, [0]
@@ -331,7 +348,7 @@ def _hf_prompt_lookup(model, ids, max_new_tokens, k, reference) -> EngineRun:
         for p in ids:
             x = torch.tensor([p])
             y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=k)
+                               max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=k or None)
             o = y[0, len(p):].tolist()
             outs.append(o)
             tokens += len(o)
@@ -341,10 +358,30 @@ def _hf_prompt_lookup(model, ids, max_new_tokens, k, reference) -> EngineRun:
     # Assisted decoding runs the prompt and the first candidates in one
     # forward: every forward is one step, emitting τ + 1 tokens.
     steps = forwards[0]
-    return EngineRun("hf-prompt-lookup", f"static-d{k}", 1, tokens_per_s=tokens / secs, speedup_vs_plain=0.0,
+    name, policy, _ = _hf_key(k)
+    return EngineRun(name, policy, 1, tokens_per_s=tokens / secs, speedup_vs_plain=0.0,
                      mean_accepted=(tokens - steps) / max(steps, 1), lossless=outs == reference,
                      tokens=tokens, seconds=secs, tokens_per_cpu_s=tokens / cpu, steps=steps,
-                     note="transformers generate(prompt_lookup_num_tokens); batch 1 only")
+                     note=("transformers generate(prompt_lookup_num_tokens); batch 1 only" if k
+                           else "transformers generate, greedy; batch 1 only"))
+
+
+def _fitted_costs(address: str, batches, context_len: float = 200.0) -> dict:
+    """What the controller's cost model of each agent's worker says at the end:
+    its fit error and the verify ms it predicts for a batch of ``context_len``-token
+    requests running 0..11 draft nodes each (``GetStatus``)."""
+    from specctl.status import cost_params, fetch_status
+
+    out = {}
+    for w in fetch_status(address).workers:
+        c = cost_params(w.cost_model)
+        predicted = {}
+        for b in batches:
+            kv = b * context_len
+            predicted[b] = [round(float(c.verify_ms(b * (1 + n), kv, b * (1 + n) * context_len)), 2) for n in range(12)]
+        out[w.hello.worker_id] = {"samples": w.cost_model.samples, "rmse_ms": round(w.cost_model.rmse_ms, 2),
+                                  "verify_ms_by_batch_and_nodes_per_request": predicted}
+    return out
 
 
 def _kernel_summary(report) -> dict:
@@ -355,7 +392,7 @@ def _kernel_summary(report) -> dict:
     for key, d in report.dispatch.items():
         t = report.timings[key]
         dense = dict(zip(t.rows, t.ms["dense"]))
-        out[key] = {"packed_hint": d.hint, "rows_run_as": [d.lookup(r)[1] for r in range(1, 17)],
+        out[key] = {"packed": d.packed, "rows_run_as": [d.lookup(r)[1] for r in range(1, 17)],
                     "ms_vs_default_by_rows": {r: round(d.ms[r - 1] / dense[r], 3) for r in (1, 2, 3, 4, 8, 16)
                                               if r in dense}}
     return out
@@ -376,7 +413,7 @@ def _plot(runs, path: Path, batches) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 5), sharey=True, squeeze=False)
-    colors = {"none": "#888888", "hf-prompt-lookup": "#bb8844", "ngram": "#4477aa", "medusa": "#aa3377",
+    colors = {"none": "#888888", "hf-generate": "#ccaa77", "hf-prompt-lookup": "#bb8844", "ngram": "#4477aa", "medusa": "#aa3377",
               "eagle": "#228833", "oracle": "#222222"}
     for ax, batch in zip(axes[0], batches):
         rs = [r for r in runs if r.batch == batch and r.policy != "plain-repeat"]

@@ -11,19 +11,22 @@ import torch
 import torch.nn.functional as F
 
 from policies.table import Decision
+from worker.drafters.eagle import EagleDrafter
 from worker.drafters.oracle import OracleDrafter
 from worker.engine import kernels
 from worker.engine.engine import Engine, static_decide
 from worker.engine.kernels import DENSE, Dispatch, ShapeTiming, TunedLinear, install, plan_dispatch, tune_model
+from worker.heads.modules import EagleHead
+from worker.heads.store import HeadsBundle
 from worker.models import tiny_llama
 
 pytestmark = pytest.mark.skipif(not kernels.kernels_available(), reason="torch built without oneDNN")
 
 
-def forced(rows_max: int = 24, hint: int = 4) -> Dispatch:
-    """A dispatch that uses every path: oneDNN padded to a multiple of 4, MKL on every third row count."""
-    choices = tuple((DENSE, r) if r % 3 == 0 else (f"onednn:{hint}", -(-r // 4) * 4) for r in range(1, rows_max + 1))
-    return Dispatch(hint, choices, tuple(float(r) for r in range(1, rows_max + 1)))
+def forced(rows_max: int = 24, packed: str = "onednn:4") -> Dispatch:
+    """A dispatch that uses every path: the packed kernel padded to a multiple of 4, MKL on every third row count."""
+    choices = tuple((DENSE, r) if r % 3 == 0 else (packed, -(-r // 4) * 4) for r in range(1, rows_max + 1))
+    return Dispatch(packed, choices, tuple(float(r) for r in range(1, rows_max + 1)))
 
 
 def test_dispatch_pads_upwards_onto_the_grid_and_never_gets_cheaper_with_more_rows():
@@ -33,7 +36,7 @@ def test_dispatch_pads_upwards_onto_the_grid_and_never_gets_cheaper_with_more_ro
         ms = {k: tuple(rng.uniform(1, 10, len(rows))) for k in (DENSE, "onednn:4", "onednn:16")}
         d = plan_dispatch(ShapeTiming(8, 4, 1, rows, ms))
         assert len(d.choices) == rows[-1]
-        allowed = [DENSE] + ([f"onednn:{d.hint}"] if d.hint is not None else [])
+        allowed = [DENSE] + ([d.packed] if d.packed is not None else [])
         for r, ((kernel, padded), cost) in enumerate(zip(d.choices, d.ms), start=1):
             assert kernel in allowed and padded >= r and padded in rows
             assert cost == ms[kernel][rows.index(padded)]
@@ -45,9 +48,9 @@ def test_dispatch_pads_upwards_onto_the_grid_and_never_gets_cheaper_with_more_ro
 def test_dispatch_keeps_no_packed_copy_unless_it_pays():
     rows = (1, 2, 4)
     close = plan_dispatch(ShapeTiming(8, 4, 1, rows, {DENSE: (1.0, 2.0, 3.0), "onednn:4": (0.99, 1.99, 2.99)}))
-    assert close.hint is None and {k for k, _ in close.choices} == {DENSE}
+    assert close.packed is None and {k for k, _ in close.choices} == {DENSE}
     better = plan_dispatch(ShapeTiming(8, 4, 1, rows, {DENSE: (1.0, 2.0, 3.0), "onednn:4": (0.5, 1.0, 1.5)}))
-    assert better.hint == 4 and better.choices[0] == ("onednn:4", 1)
+    assert better.packed == "onednn:4" and better.choices[0] == ("onednn:4", 1)
 
 
 def test_tuned_layer_equals_f_linear_for_every_row_count_and_layout():
@@ -77,6 +80,22 @@ def test_tuned_layer_runs_the_kernel_and_padding_its_dispatch_names(monkeypatch)
     assert calls == [4, 8, 30]  # 3 and 6 rows go to MKL; 30 is past the table: its last kernel, unpadded
 
 
+def test_bf16_kernel_rounds_like_bfloat16_and_keeps_fp32_in_and_out():
+    torch.manual_seed(2)
+    layer = torch.nn.Linear(64, 40)
+    tuned = TunedLinear(layer, forced(packed="bf16:16"))
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 7, 30):
+            x = torch.randn(rows, 64)
+            y, exact = tuned(x), F.linear(x, layer.weight, layer.bias)
+            assert y.dtype == torch.float32
+            torch.testing.assert_close(y, exact, rtol=2e-2, atol=2e-2)  # bf16 inputs: ~3 significant digits
+            bf16 = F.linear(x.bfloat16(), layer.weight.bfloat16()).float() + layer.bias
+            if rows % 3:  # the rows the packed kernel runs (every third goes to MKL)
+                torch.testing.assert_close(y, bf16, rtol=1e-2, atol=1e-2)
+                assert not torch.equal(y, exact)
+
+
 def test_tuned_layer_falls_back_to_f_linear_under_autograd():
     torch.manual_seed(1)
     layer = torch.nn.Linear(16, 8)
@@ -98,7 +117,7 @@ def test_tune_model_times_installs_and_caches(tmp_path, monkeypatch):
     assert not first.cached and first.path.is_file() and first.path.parent == tmp_path / "specctl" / "kernels"
     assert first.layers == linears and not any(type(m) is torch.nn.Linear for m in model.modules())
     assert set(first.dispatch) == {f"{o}x{i}" for o, i in ((64, 64), (32, 64), (128, 64), (64, 128))}
-    for key, timing in first.timings.items():
+    for key, timing in first.timings.items():  # no lossy kernel for a target
         assert set(timing.ms) == {DENSE, "onednn:4", "onednn:16", "onednn:64"} and all(
             t > 0 for ms in timing.ms.values() for t in ms)
     assert "linear kernels:" in lines[0]
@@ -137,3 +156,30 @@ def test_greedy_decoding_on_tuned_layers_equals_plain_generate(decision, max_bat
     assert engine.stats.mean_accepted > 0.5
     plain = Engine(model, max_batch=max_batch)
     assert plain.generate(prompts, new) == [r[:new] for r in refs]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_a_drafter_on_bf16_kernels_leaves_greedy_decoding_lossless(tmp_path, monkeypatch, max_batch):
+    """The drafter's layers may compute in bf16 (they only propose); the target
+    verifies in fp32, so the output is ``generate``'s token for token."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    torch.set_num_threads(1)
+    model, vocab = tiny_llama(seed=0)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 3, 10)]
+    new = 16
+    with torch.inference_mode():
+        refs = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=new)[0, len(p):].tolist()
+                for p in prompts]
+    vocab_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:96].sort().values
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        bundle = HeadsBundle.build("eagle", EagleHead.config_from_target(model.config), vocab_map)
+    drafter = EagleDrafter(bundle, model, max_depth=6, max_width=4, max_tree_nodes=32)
+    layers = sum(type(m) is torch.nn.Linear for m in drafter.layers.modules())
+    install(drafter.layers, {f"{m.out_features}x{m.in_features}": forced(packed="bf16:4")
+                             for m in drafter.layers.modules() if type(m) is torch.nn.Linear})
+    assert sum(isinstance(m, TunedLinear) for m in drafter.layers.modules()) == layers
+    engine = Engine(model, drafter, static_decide(Decision(4, 2, 8)), max_batch=max_batch)
+    assert engine.generate(prompts, new) == refs

@@ -93,7 +93,8 @@ def parse_static(text: str, default: Decision) -> Decision:
 def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_depth: int = 6,
                   max_width: int = 4, max_tree_nodes: int = 24, log_fn=print):
     """A drafter by name; trained heads come from ``heads_dir`` or the
-    on-first-use cache (``worker.heads.ensure_heads``)."""
+    on-first-use cache (``worker.heads.ensure_heads``). On a target with tuned
+    kernels, the heads' layers are tuned too."""
     if kind in ("none", "", None):
         return None
     if kind == "ngram":
@@ -104,15 +105,22 @@ def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_
         from worker.heads import ensure_heads
         from worker.heads.store import HeadsBundle
 
+        from worker.engine.kernels import is_tuned, tune_model
+
         directory = heads_dir or ensure_heads(kind, model_name, log=log_fn)
         bundle = HeadsBundle.load(directory, kind)
         if kind == "medusa":
             from worker.drafters.medusa import MedusaDrafter
 
-            return MedusaDrafter(bundle, model, max_width=max_width, max_tree_nodes=max_tree_nodes)
-        from worker.drafters.eagle import EagleDrafter
+            drafter = MedusaDrafter(bundle, model, max_width=max_width, max_tree_nodes=max_tree_nodes)
+        else:
+            from worker.drafters.eagle import EagleDrafter
 
-        return EagleDrafter(bundle, model, max_depth=max_depth, max_width=max_width, max_tree_nodes=max_tree_nodes)
+            drafter = EagleDrafter(bundle, model, max_depth=max_depth, max_width=max_width,
+                                   max_tree_nodes=max_tree_nodes)
+        if is_tuned(model):  # tuned kernels for the heads too; bf16 allowed: the target verifies what they propose
+            tune_model(drafter.layers, allow_bf16=True, log=log_fn)
+        return drafter
     raise ValueError(f"unknown drafter {kind!r}: expected none, ngram, medusa or eagle")
 
 

@@ -25,7 +25,7 @@ import torch
 from policies.base import DrafterLimits
 from policies.table import Decision
 
-__all__ = ["DraftContext", "DraftTree", "Drafter", "DrafterLimits", "EMPTY_TREE", "best_first_tree"]
+__all__ = ["DraftContext", "DraftTree", "Drafter", "DrafterLimits", "EMPTY_TREE", "best_first_tree", "draft_lm_head"]
 
 
 @dataclass(slots=True)
@@ -108,6 +108,16 @@ class Drafter(Protocol):
     def release(self, request_id: str) -> None:
         """The request left the batch: drop its state."""
         ...
+
+
+def draft_lm_head(model, vocab_map: torch.Tensor) -> torch.nn.Linear:
+    """The target's LM head restricted to the draft vocabulary (frozen copies of
+    its rows): what Medusa and EAGLE heads score their guesses with. A layer, not
+    a bare matrix, so the engine's kernel tuning reaches it too."""
+    rows = model.get_output_embeddings().weight.detach()[vocab_map].to(torch.float32)
+    head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    head.weight = torch.nn.Parameter(rows, requires_grad=False)
+    return head.eval()
 
 
 def best_first_tree(level_probs: Sequence[Sequence[tuple[int, float]]], decision: Decision) -> DraftTree:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from policies.table import Decision
-from worker.drafters.base import DraftContext, DrafterLimits, DraftTree
+from worker.drafters.base import DraftContext, DrafterLimits, DraftTree, draft_lm_head
 from worker.heads.modules import EagleHead
 from worker.heads.store import HeadsBundle
 
@@ -84,7 +84,9 @@ class EagleDrafter:
             raise ValueError(f"EagleDrafter needs eagle heads, got {bundle.kind}")
         self.head: EagleHead = bundle.module.eval()
         self.vocab_map = bundle.vocab_map
-        self.lm = model.get_output_embeddings().weight.detach()[bundle.vocab_map].to(torch.float32)
+        # Every torch layer that drafting runs (``worker.engine.kernels.tune_model`` may swap
+        # their linears, so they are always reached through this dict).
+        self.layers = torch.nn.ModuleDict({"head": self.head, "lm_head": draft_lm_head(model, bundle.vocab_map)})
         self.embed = model.get_input_embeddings()
         self.version = bundle.version
         self.limits = DrafterLimits(self.kind, self.version, max_depth, max_width, max(max_depth, max_tree_nodes),
@@ -243,7 +245,7 @@ class EagleDrafter:
         return out
 
     def _topk(self, feats: torch.Tensor, width: int) -> tuple[list[list[int]], list[list[float]]]:
-        probs = torch.softmax(feats @ self.lm.T, -1)
+        probs = torch.softmax(self.layers["lm_head"](feats), -1)  # [rows, draft vocab]
         p, idx = probs.topk(width, -1)
         return self.vocab_map[idx].tolist(), p.tolist()
 

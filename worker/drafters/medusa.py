@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from policies.table import Decision
-from worker.drafters.base import DraftContext, DrafterLimits, DraftTree, best_first_tree
+from worker.drafters.base import DraftContext, DrafterLimits, DraftTree, best_first_tree, draft_lm_head
 from worker.heads.store import HeadsBundle
 
 __all__ = ["MedusaDrafter"]
@@ -30,7 +30,9 @@ class MedusaDrafter:
             raise ValueError(f"MedusaDrafter needs medusa heads, got {bundle.kind}")
         self.heads = bundle.module.eval()
         self.vocab_map = bundle.vocab_map
-        self.lm = model.get_output_embeddings().weight.detach()[bundle.vocab_map].to(torch.float32)
+        # Every torch layer that drafting runs (``worker.engine.kernels.tune_model`` may swap
+        # their linears, so they are always reached through this dict).
+        self.layers = torch.nn.ModuleDict({"heads": self.heads, "lm_head": draft_lm_head(model, bundle.vocab_map)})
         self.version = bundle.version
         k = bundle.module.num_heads
         self.limits = DrafterLimits(self.kind, self.version, k, max_width, max(k, max_tree_nodes),
@@ -50,7 +52,7 @@ class MedusaDrafter:
         width = max(decisions[i].width for i in rows)
         feats = torch.stack([self._last[contexts[i].request_id] for i in rows])  # [n, d]
         h = self.heads(feats)[:depth]  # [D, n, d]
-        probs = torch.softmax(h @ self.lm.T, -1)  # [D, n, V]
+        probs = torch.softmax(self.layers["lm_head"](h), -1)  # [D, n, V]
         p, idx = probs.topk(width, -1)  # [D, n, w]
         tokens = self.vocab_map[idx].tolist()
         p = p.tolist()
