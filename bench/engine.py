@@ -80,6 +80,8 @@ class EngineRun:
     verify_ms_per_step: float = 0.0
     steps: int = 0
     note: str = ""
+    spec_fraction: float = 0.0  # share of row-steps that drafted
+    nodes_per_spec_row_step: float = 0.0  # mean tree size when drafting
     speedup_vs_hf_plain: float = 0.0  # transformers runs: against transformers' plain generate (CPU time)
 
 
@@ -92,6 +94,8 @@ class _Tally:
     cpu: float = 0.0
     steps: int = 0
     row_steps: int = 0
+    spec_row_steps: int = 0
+    draft_nodes: int = 0
     accepted: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -103,6 +107,8 @@ class _Tally:
         self.tokens += stats.tokens
         self.steps += stats.steps
         self.row_steps += stats.row_steps
+        self.spec_row_steps += stats.spec_row_steps
+        self.draft_nodes += stats.draft_nodes
         self.accepted += stats.accepted
         self.draft_s += stats.draft_s
         self.verify_s += stats.verify_s
@@ -125,7 +131,9 @@ class _Tally:
                          tokens=self.tokens, seconds=round(self.secs, 2),
                          tokens_per_cpu_s=round(self.tokens / self.cpu, 2),
                          draft_ms_per_step=round(1e3 * self.draft_s / steps, 2),
-                         verify_ms_per_step=round(1e3 * self.verify_s / steps, 2), steps=self.steps, note=self.note)
+                         verify_ms_per_step=round(1e3 * self.verify_s / steps, 2), steps=self.steps, note=self.note,
+                         spec_fraction=round(self.spec_row_steps / max(self.row_steps, 1), 3),
+                         nodes_per_spec_row_step=round(self.draft_nodes / max(self.spec_row_steps, 1), 2))
 
 
 class _FanOut:

@@ -65,7 +65,7 @@ class StratumPosterior:
     """Posterior of one stratum: ``depth × width`` stick-breaking Beta cells."""
 
     __slots__ = ("prior_a", "prior_b", "succ", "fail", "max_depth", "max_width", "updated_at", "observations",
-                 "_old_succ", "_old_fail", "_anchor", "_carried")
+                 "_old_succ", "_old_fail", "_anchor", "_carried", "asked", "offered")
 
     def __init__(self, max_depth: int, max_width: int, prior: AcceptancePrior, now: float | None) -> None:
         self.max_depth = max_depth
@@ -85,6 +85,10 @@ class StratumPosterior:
         self._old_fail = np.zeros(cells)
         self._anchor = np.full(cells, np.nan)  # reference stick mean when the cell last had data
         self._carried = float("nan")  # reference stick mean at the last carry
+        # Request-steps whose decision asked for a draft, and those the drafter
+        # offered one for (a prompt-lookup drafter offers only when it finds a match).
+        self.asked = 0.0
+        self.offered = 0.0
 
     def observe(self, accepted_rank: Sequence[int], level_candidates: Sequence[int]) -> None:
         """Add one request-step's per-position outcome (validated upstream)."""
@@ -115,6 +119,16 @@ class StratumPosterior:
         if accepted < depth and accepted < self.max_depth:
             self.fail[accepted * width] += count
         self.observations += count
+
+    def observe_offers(self, asked: float, offered: float) -> None:
+        """``asked`` request-steps asked for a draft, ``offered`` of them got one."""
+        self.asked += asked
+        self.offered += offered
+
+    def offer_rate(self) -> float:
+        """P(the drafter offers a draft | the decision asks for one): one
+        pseudo-success, so a worker that never reports asks keeps 1."""
+        return (self.offered + 1.0) / (self.asked + 1.0)
 
     def decay(self, now: float, half_life_s: float, max_evidence: float) -> None:
         """Forget old evidence: mostly-old cells follow the reference (module
@@ -150,6 +164,9 @@ class StratumPosterior:
             old_s, old_f = old_s * shrink, old_f * shrink
             self._carried = reference
         succ, fail = (old_s + new_s) * factor, (old_f + new_f) * factor
+        scale = factor if self.asked * factor <= max_evidence else max_evidence / self.asked
+        self.asked *= scale
+        self.offered *= scale
         total = succ + fail
         cap = np.where(total > max_evidence, max_evidence / np.maximum(total, 1e-12), 1.0)
         succ, fail = succ * cap, fail * cap
@@ -292,6 +309,7 @@ class AcceptanceView:
         # Snapshot the parameters: policies may run after more telemetry lands.
         self._params = [p.beta_params() for p in buckets]
         self._effective = [p.effective_samples() for p in buckets]
+        self._offer = [p.offer_rate() for p in buckets]
 
     def _cut(self, x: np.ndarray) -> np.ndarray:
         return x[: self.max_depth, : self.max_width]
@@ -309,3 +327,6 @@ class AcceptanceView:
 
     def chain_alpha(self, context_bucket: int) -> np.ndarray:  # [depth]
         return self.rank_probs(context_bucket)[:, 0]
+
+    def offer_rate(self, context_bucket: int) -> float:
+        return self._offer[context_bucket]

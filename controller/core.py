@@ -156,7 +156,8 @@ class Controller:
         self.policy_reload_failures = 0
         self._last_tick = float("-inf")
         self.on_step: list[Callable[[WorkerState, worker_pb2.StepReport], None]] = []
-        # Same, with the step's validated request rows (rid, ctx, depth, width, nodes, τ, ranks, candidates):
+        # Same, with the step's validated request rows (rid, ctx, depth, width, nodes, τ, ranks, candidates,
+        # requested depth):
         # cheaper than reading the proto again.
         self.on_step_rows: list[Callable[[WorkerState, worker_pb2.StepReport, list], None]] = []
         self.on_hello: list[Callable[[WorkerState], None]] = []  # after every accepted Hello
@@ -232,6 +233,7 @@ class Controller:
         now = self.clock()
         rejections = []
         chains: dict[tuple[int, int, int], int] = {}  # (bucket, depth, τ) -> request-steps, applied in bulk
+        offers: dict[int, list[int]] = {}  # bucket -> [drafts asked for, drafts offered], applied in bulk
         finished_ids = state.finished_ids
         for i, step in enumerate(reports.steps):
             try:
@@ -244,18 +246,20 @@ class Controller:
             except Invalid as err:
                 rejections.append(self.reject(state, err))
                 continue
-            self._apply_step(state, step, rows, chains, now)
-        if chains:
+            self._apply_step(state, step, rows, chains, offers, now)
+        if chains or offers:
             posteriors = self.acceptance.strata(state.drafter_key, state.limits.max_depth, state.limits.max_width, now)
             tally = state.accept_counts
             for key, count in chains.items():
                 bucket, depth, accepted = key
                 posteriors[bucket].observe_chain(depth, accepted, count)
                 tally[key] = tally.get(key, 0) + count
+            for bucket, (asked, offered) in offers.items():
+                posteriors[bucket].observe_offers(asked, offered)
         self._maybe_tick(now)
         return rejections
 
-    def _apply_step(self, state: WorkerState, step: worker_pb2.StepReport, rows: list, chains: dict,
+    def _apply_step(self, state: WorkerState, step: worker_pb2.StepReport, rows: list, chains: dict, offers: dict,
                     now: float) -> None:
         edges = self.context_edges
         counts, sums = state.context_counts, state.context_sums
@@ -264,18 +268,26 @@ class Controller:
         outcomes = []
         unreported = step.batch_size - len(rows)  # requests not reported decode one token each
         batch_tokens = tokens = unreported
-        kv_tokens = max_depth = total_nodes = level_kv = attn_pairs = 0
+        kv_tokens = max_depth = max_nodes = total_nodes = level_kv = attn_pairs = 0
         posteriors = None
         for row in rows:
-            rid, ctx, depth, width, nodes, accepted, ranks, cands = row
+            rid, ctx, depth, width, nodes, accepted, ranks, cands, requested = row
             batch_tokens += 1 + nodes
             kv_tokens += ctx
             attn_pairs += (1 + nodes) * ctx
             total_nodes += nodes
+            if nodes > max_nodes:
+                max_nodes = nodes
             tokens += 1 + accepted
             c = bisect_right(edges, ctx) - 1  # edges start at 0, so c >= 0
             counts[c] += 1.0
             sums[c] += ctx
+            if requested:
+                tally = offers.get(c)
+                if tally is None:
+                    tally = offers[c] = [0, 0]
+                tally[0] += 1
+                tally[1] += depth > 0
             if depth:
                 level_kv += depth * ctx
                 if depth > max_depth:
@@ -298,6 +310,9 @@ class Controller:
         while len(active) > self.config.max_active_requests:
             active.popitem(last=False)
         draft_ms, verify_ms, batch = step.draft_ms, step.verify_ms, step.batch_size
+        if state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED:  # what the forward really computed
+            batch_tokens = batch * (1 + max_nodes)
+            attn_pairs = kv_tokens * (1 + max_nodes)
         state.cost.observe_step(batch_tokens, kv_tokens, max_depth, total_nodes, level_kv, draft_ms, verify_ms,
                                 attn_pairs)
         state.recent_steps.append(
@@ -383,6 +398,7 @@ class Controller:
             finished=tuple(state.recent_finished),
             active_requests=dict(state.active),
             max_batch_size=state.hello.max_batch_size or 256,
+            padded_verify=state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED,
         )
 
     def _fold_load(self, state: WorkerState) -> None:

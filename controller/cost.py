@@ -27,9 +27,10 @@ tile quantisation on a GPU; on the reference worker's CPU a forward over
 such steps prices some tree sizes far too cheap and others far too dear.
 Each segment's slope is fitted (non-negative: more tokens never cost
 less), pulled toward its neighbours so that sparse data gives a smooth
-curve, and continued past the data at the last supported slope
-(``compute_ms_per_token`` holds it; without knots the plane is the linear
-``compute_ms + compute_ms_per_token · batch_tokens``, the hardware prior).
+curve, and continued past the data at the steeper of the last segment's
+slope and the mean slope over the data (``compute_ms_per_token`` holds it;
+without knots the plane is the linear ``compute_ms + compute_ms_per_token ·
+batch_tokens``, the hardware prior).
 
 Drafting is linear: ``draft_ms = draft_fixed_ms·[any speculation] +
 draft_ms_per_level·max_depth + draft_ms_per_node·Σ nodes +
@@ -274,7 +275,13 @@ def fit_max_planes(
         return replace(fitted, compute_ms=float(comp[0]) - float(prior.compute_curve_ms(anchor)))
     slopes = np.zeros(len(start))  # flat below the data
     slopes[active] = comp[2:] / length[active]
-    slopes[active[-1] + 1:] = slopes[active[-1]]  # continued past it
+    # Past the data the curve continues at the steeper of the last segment's slope
+    # and the mean slope over the data: one sparse, noisy last segment must not
+    # make every larger batch look free (kernels only get more compute-bound).
+    lo, hi = max(start[active[0]], batch_tokens.min()), batch_tokens.max()
+    covered = np.clip(np.minimum(start[active] + length[active], hi) - np.maximum(start[active], lo), 0.0, None)
+    mean_slope = float(np.sum(slopes[active] * covered) / max(hi - lo, 1e-9))
+    slopes[active[-1] + 1:] = max(slopes[active[-1]], mean_slope)
     rise = np.concatenate([[0.0], np.cumsum(slopes[:-1] * length[:-1])])  # 0 up to the anchor
     return replace(fitted, compute_ms=float(comp[0]), compute_ms_per_token=float(slopes[-1]),
                    compute_knots=tuple(float(k) for k in start), compute_rise_ms=tuple(float(r) for r in rise))

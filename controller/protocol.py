@@ -68,6 +68,8 @@ def validate_hello(hello: worker_pb2.Hello) -> None:
         "hello.drafter.max_tree_nodes",
         f"{d.max_tree_nodes} must be in max_depth ({d.max_depth})..4096",
     )
+    _need(hello.verify_layout in worker_pb2.VerifyLayout.values(), "hello.verify_layout",
+          f"{hello.verify_layout} is not a known VerifyLayout")
 
 
 def _bad(path: str, name: str, detail: str, step_id: int) -> Invalid:
@@ -86,6 +88,10 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
         raise _bad(path, "depth", f"{depth} must be in 0..{limits.max_depth} (drafter max_depth)", step_id)
     if not 0 <= accepted <= depth:
         raise _bad(path, "accepted", f"{accepted} must be in 0..depth ({depth})", step_id)
+    requested = r.requested_depth
+    if not (requested == 0 or depth <= requested <= limits.max_depth):
+        raise _bad(path, "requested_depth", f"{requested} must be 0 or in depth ({depth})..{limits.max_depth} "
+                   "(drafter max_depth)", step_id)
     if depth == 0:
         if r.width or r.nodes:
             raise _bad(path, "nodes", f"width={r.width}, nodes={r.nodes} must be 0 when depth is 0", step_id)
@@ -137,9 +143,10 @@ def _check_confidence(confidence, levels: int, path: str, step_id: int) -> None:
 
 
 # One validated request of a step: (request_id, context_len, depth, width,
-# nodes, accepted, accepted_rank, level_candidates); the last two are None for
-# a chain or an off request (the per-position outcome follows from τ).
-RequestRow = tuple[str, int, int, int, int, int, "tuple[int, ...] | None", "tuple[int, ...] | None"]
+# nodes, accepted, accepted_rank, level_candidates, requested_depth); ranks and
+# candidates are None for a chain or an off request (the per-position outcome
+# follows from τ).
+RequestRow = tuple[str, int, int, int, int, int, "tuple[int, ...] | None", "tuple[int, ...] | None", int]
 
 
 def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
@@ -166,19 +173,22 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
     rows: list[RequestRow] = []
     for i, r in enumerate(requests):
         rid, ctx, depth, width, nodes, accepted = r.request_id, r.context_len, r.depth, r.width, r.nodes, r.accepted
-        ranks = r.accepted_rank
+        ranks, requested = r.accepted_rank, r.requested_depth
         # Fast path for the common shapes (off, or a chain with the τ shorthand);
         # anything else gets the full field-by-field check and its message.
         if rid and 0 <= ctx <= MAX_CONTEXT_LEN and 0 <= accepted <= depth <= max_depth and not ranks and (
             (depth == 0 and width == 0 and nodes == 0) or (depth > 0 and width == 1 and depth <= nodes <= max_nodes)
-        ) and not r.level_candidates and not r.draft_confidence:
-            rows.append((rid, ctx, depth, width, nodes, accepted, None, None))
+        ) and not r.level_candidates and not r.draft_confidence and (
+            requested == 0 or depth <= requested <= max_depth
+        ):
+            rows.append((rid, ctx, depth, width, nodes, accepted, None, None, requested))
             continue
         validate_request_step(r, limits, f"{path}.requests[{i}]", sid)
         if depth and ranks:
-            rows.append((rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates)))
+            rows.append((rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates),
+                         requested))
         else:
-            rows.append((rid, ctx, depth, width, nodes, accepted, None, None))
+            rows.append((rid, ctx, depth, width, nodes, accepted, None, None, requested))
     if len(rows) > 1 and len({row[0] for row in rows}) < len(rows):
         seen: set[str] = set()
         for j, row in enumerate(rows):

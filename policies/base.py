@@ -109,6 +109,12 @@ class AcceptanceEstimate(Protocol):
     def effective_samples(self, context_bucket: int) -> np.ndarray:  # [depth]
         ...
 
+    def offer_rate(self, context_bucket: int) -> float:
+        """P(the drafter offers a draft at all | the decision asks for one):
+        below 1 for a prompt-lookup drafter that finds no match; the
+        acceptance above is conditional on an offer."""
+        ...
+
 
 class CostEstimate(Protocol):
     """Fitted step-time model of one worker (milliseconds).
@@ -165,6 +171,9 @@ class Observation:
     # Requests in flight right now (ids seen in steps and not finished).
     active_requests: Mapping[str, int] = field(default_factory=dict)  # id -> context_len
     max_batch_size: int = 256
+    # The worker's forward pads every request's draft block to the largest
+    # (``VERIFY_LAYOUT_PADDED``): it computes batch · (1 + max nodes) tokens.
+    padded_verify: bool = False
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,13 @@ node costs ``compute_ms_per_token`` and only high-value nodes survive, often
 none: speculation off. Context length enters twice: acceptance is estimated
 per context bucket, and KV tokens lift the memory plane at long context.
 
+Drafters that may offer nothing (prompt lookup without a match) scale every
+node's value by their learned offer rate. On a worker whose forward pads
+every request's block to the largest (``Observation.padded_verify``) a batch
+costs ``batch · (1 + widest block)`` tokens: one request's deep tree is paid
+by every row, and a rare context bucket takes only the nodes that fit in the
+padding already paid for.
+
 Depth caps: a draft level is one drafter forward for the whole batch, so a
 value-ordered prefix can buy one deep node with a whole level's draft time.
 Every row is solved under each depth cap ``L`` (each request's best-first
@@ -236,23 +243,37 @@ def expected_max_depth(depths: np.ndarray, shares: np.ndarray, batch: float) -> 
 
 
 def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray, depths: np.ndarray,
-                   taken: np.ndarray, cost) -> np.ndarray:
+                   taken: np.ndarray, cost, offer: np.ndarray | None = None, padded: bool = False) -> np.ndarray:
     """Expected tokens per second of a batch of groups (``counts`` requests of
     ``contexts`` tokens each) that accept ``gained`` draft tokens in expectation
     and whose requests draft ``taken[..., g]`` nodes in ``depths[..., g]`` levels:
-    ``Σ E[τ + 1] / (T_verify + T_draft)`` under ``cost``."""
+    ``Σ E[τ + 1] / (T_verify + T_draft)`` under ``cost``.
+
+    ``offer[g]``: the share of group ``g``'s requests the drafter really drafts
+    for (``gained`` already counts it). ``padded``: the worker's forward pads
+    every request's block to the largest, so it computes ``batch · (1 + w)``
+    tokens with ``w`` the largest block any request brings — about
+    ``max_g taken_g · P(some request of g gets a draft)``.
+    """
     batch = float(counts.sum())
+    offer = np.ones_like(counts) if offer is None else np.asarray(offer, dtype=np.float64)
     kv_per_group = counts * contexts
-    extra = taken @ counts  # draft nodes in the batch
+    drafted = taken @ (counts * offer)  # draft nodes the drafters produce
     levels = expected_max_depth(depths, counts / batch, batch)
     level_kv = depths @ kv_per_group
     kv = float(kv_per_group.sum())
-    pairs = kv + taken @ kv_per_group  # Σ (1 + nodes) · context: attention's query-key pairs
-    step_ms = cost.verify_ms(batch + extra, kv, pairs) + cost.draft_ms(levels, extra, batch, level_kv)
+    if padded:
+        width = np.max(taken * (1.0 - (1.0 - offer) ** counts), axis=-1)  # [...]: the block every row carries
+        tokens, pairs = batch * (1.0 + width), kv * (1.0 + width)
+    else:
+        tokens = batch + drafted
+        pairs = kv + taken @ (kv_per_group * offer)  # Σ (1 + nodes) · context: attention's query-key pairs
+    step_ms = cost.verify_ms(tokens, kv, pairs) + cost.draft_ms(levels, drafted, batch, level_kv)
     return (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0
 
 
-def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost) -> np.ndarray:
+def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost, offer: np.ndarray | None = None,
+                 padded: bool = False) -> np.ndarray:
     """:func:`prefix_goodput` when group ``g`` drafts the first ``taken[..., g]`` nodes
     of its list (``[..., groups]`` in, ``[...]`` out)."""
     counts = np.array([g.count for g in groups], dtype=np.float64)
@@ -264,7 +285,7 @@ def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost) -> np.nd
         cumulative = np.concatenate([[0.0], np.cumsum(g.nodes.values)])
         gained = gained + counts[i] * cumulative[taken[..., i]]
         depths[..., i] = g.nodes.depth[taken[..., i]]
-    return prefix_goodput(counts, contexts, gained, depths, taken, cost)
+    return prefix_goodput(counts, contexts, gained, depths, taken, cost, offer, padded)
 
 
 def allocate(groups: Sequence[BatchGroup], cost, min_gain: float = 0.0) -> Allocation:
@@ -317,15 +338,17 @@ class PrefixTable:
         self.gained = np.concatenate(gains)  # [prefixes, groups]: expected accepted tokens per request
         self.depths = np.concatenate(depths)  # [prefixes, groups]
 
-    def best(self, counts: Sequence[float], contexts: Sequence[float], cost,
-             min_gain: float = 0.0) -> tuple[int, Allocation]:
+    def best(self, counts: Sequence[float], contexts: Sequence[float], cost, min_gain: float = 0.0,
+             offer: Sequence[float] | None = None, padded: bool = False) -> tuple[int, Allocation]:
         """The best cap's index and its allocation for a batch of ``counts``
-        requests per group; speculation must beat off by ``min_gain``."""
+        requests per group; speculation must beat off by ``min_gain``
+        (``offer``, ``padded``: as in :func:`prefix_goodput`)."""
         counts = np.asarray(counts, dtype=np.float64)
         if counts.sum() <= 0:
             return 0, Allocation((0,) * len(counts), 0.0, 0.0)
+        offer_rates = None if offer is None else np.asarray(offer, dtype=np.float64)
         goodput = prefix_goodput(counts, np.asarray(contexts, dtype=np.float64), self.gained @ counts,
-                                 self.depths, self.taken, cost)
+                                 self.depths, self.taken, cost, offer_rates, padded)
         best = int(np.argmax(goodput))
         off = float(goodput[0])  # the first prefix of the first cap: no nodes at all
         if goodput[best] < off * (1.0 + min_gain):
@@ -365,18 +388,31 @@ def observed_mix(obs: Observation) -> tuple[np.ndarray, np.ndarray]:
     return share / share.sum(), means
 
 
+def offered_rank_probs(rank_probs: np.ndarray, offer_rate: float) -> np.ndarray:
+    """``rank_probs`` with position 1 scaled by the drafter's offer rate: every
+    node's value becomes P(a draft is offered) · P(its path is accepted)."""
+    if offer_rate >= 1.0:
+        return rank_probs
+    out = rank_probs.copy()
+    out[0] *= offer_rate
+    return out
+
+
 def table_goodput(table: DecisionTable, obs: Observation) -> float:
     """Estimated tokens per second of ``table`` at the worker's current load
     (a batch of the mean batch size drawn from the observed context mix)."""
     batch = max(1.0, obs.load.mean_batch_size)
     share, means = observed_mix(obs)
-    groups = []
+    groups, offer = [], []
     for c in np.flatnonzero(share):
         d = table.lookup(max(1, round(batch)), obs.context_edges[c])
-        nodes = best_first_nodes(obs.acceptance.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0)
+        rate = obs.acceptance.offer_rate(c)
+        nodes = best_first_nodes(offered_rank_probs(obs.acceptance.rank_probs(c), rate), d.depth, d.width,
+                                 d.max_nodes if d.depth else 0)
         groups.append(BatchGroup(batch * share[c], means[c], nodes))
+        offer.append(rate)
     taken = np.array([len(g.nodes.values) for g in groups])
-    return float(step_goodput(groups, taken, obs.cost))
+    return float(step_goodput(groups, taken, obs.cost, np.array(offer), obs.padded_verify))
 
 
 class GoodputPolicy(Policy[GoodputConfig]):
@@ -420,9 +456,16 @@ class GoodputPolicy(Policy[GoodputConfig]):
         served, distinct, table = prefixes or self.prefix_table(obs, lists_by_cap)
         counts = [batch * share[c] for c in served]
         contexts = [means[c] for c in served]
-        index, allocation = table.best(counts, contexts, obs.cost, self.config.min_gain)
+        index, allocation = table.best(counts, contexts, obs.cost, self.config.min_gain,
+                                       [obs.acceptance.offer_rate(c) for c in served], obs.padded_verify)
         cap = distinct[index] + 1
         nodes = dict(zip(served, allocation.nodes_per_group))
+        chosen = lists_by_cap[cap - 1]
+        if obs.padded_verify:  # rare buckets fill the padding the batch already pays for, and no more
+            width = max(nodes.values(), default=0)
+            for c in range(len(chosen)):
+                nodes.setdefault(c, min(width, len(chosen[c].values)))
+            return cap, [nodes[c] for c in range(len(chosen))], allocation.goodput_tok_s
         batch_tokens = batch + sum(n * nodes[c] for n, c in zip(counts, served))
         kv = sum(n * ctx for n, ctx in zip(counts, contexts))
         pairs = kv + sum(n * nodes[c] * ctx for n, c, ctx in zip(counts, served, contexts))
@@ -434,7 +477,6 @@ class GoodputPolicy(Policy[GoodputConfig]):
                             - obs.cost.verify_ms(batch_tokens, kv, pairs)) / span
         node_ms = verify_step + float(obs.cost.draft_ms(0, 1, batch) - obs.cost.draft_ms(0, 0, batch))
         price = allocation.goodput_tok_s / 1000.0 * node_ms * (1.0 + self.config.min_gain)
-        chosen = lists_by_cap[cap - 1]
         for c in range(len(chosen)):
             if c not in nodes:
                 nodes[c] = int(np.count_nonzero(chosen[c].values > price))
@@ -474,7 +516,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
     def decide(self, state: tuple[int, int], obs: Observation) -> tuple[PlanDraft, tuple[int, int]]:
         seed, calls = state
         contexts = range(len(obs.context_edges))
-        lists_by_cap = self.node_lists(obs, [obs.acceptance.rank_probs(c) for c in contexts])
+        lists_by_cap = self.node_lists(obs, [offered_rank_probs(obs.acceptance.rank_probs(c),
+                                                                obs.acceptance.offer_rate(c)) for c in contexts])
         # The row holding today's mean batch is solved at that batch itself: it is
         # where the worker runs, and a bucket's representative size may sit on the
         # other side of the roofline's kink.
@@ -504,8 +547,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
         # Only the buckets that shape the batch (served) and those of the probes matter here.
         wanted = {c for c in range(len(share)) if share[c] >= self.config.min_share}
         wanted |= {bucket_index(obs.context_edges, obs.active_requests[rid]) for rid in probes}
-        sampled = [obs.acceptance.sample_rank_probs(c, rng) if c in wanted else None
-                   for c in range(len(obs.context_edges))]
+        sampled = [offered_rank_probs(obs.acceptance.sample_rank_probs(c, rng), obs.acceptance.offer_rate(c))
+                   if c in wanted else None for c in range(len(obs.context_edges))]
         lists_by_cap = self.node_lists(obs, sampled)
         cap, nodes_per_bucket, _ = self.solve_row(obs, lists_by_cap, batch_bucket, float(batch))
         overrides, reasons = {}, {}

@@ -107,3 +107,60 @@ def test_workers_disconnected_long_enough_are_forgotten() -> None:
     assert ctl.forget_idle_workers() == ["gone"]
     assert sorted(ctl.workers) == ["back", "live"]
     assert not any(key[0] == "gone" for key in ctl.accept_counts)
+
+
+def test_a_padded_worker_is_priced_by_the_tokens_its_forward_computes() -> None:
+    """A worker whose forward pads every request's block to the largest: one
+    request drafting 6 nodes in a batch of 4 costs what 4 × 7 tokens cost. The
+    controller fits on batch · (1 + max nodes), so it predicts those steps; fed
+    the same steps as a ragged worker (Σ (1 + nodes)), it could not."""
+    def truth(tokens: float) -> float:
+        return 50.0 + 2.0 * max(tokens - 4.0, 0.0)
+
+    rng = np.random.default_rng(2)
+    fits = {}
+    for layout in (worker_pb2.VERIFY_LAYOUT_PADDED, worker_pb2.VERIFY_LAYOUT_PACKED):
+        hello = make_hello(f"pad-{layout}", max_depth=6)
+        hello.verify_layout = layout
+        ctl = Controller(ServerConfig(), load_preset("goodput"), clock=lambda: 0.0)
+        state = ctl.hello(hello)
+        for i in range(600):
+            batch = int(rng.choice([2, 4, 8]))
+            deep = int(rng.integers(0, 7))  # only the first request drafts
+            step = worker_pb2.StepReport(step_id=i + 1, timestamp=1.0, batch_size=batch, draft_ms=0.5,
+                                         verify_ms=truth(batch * (1 + deep)) * rng.normal(1.0, 0.01))
+            for j in range(batch):
+                d = deep if j == 0 else 0
+                step.requests.add(request_id=f"r{i}-{j}", context_len=300, depth=d, width=1 if d else 0, nodes=d,
+                                  accepted=0)
+            assert not ctl.ingest(state, worker_pb2.StepReports(steps=[step]))
+        state.cost.refit()
+        fits[layout] = state.cost
+    padded = fits[worker_pb2.VERIFY_LAYOUT_PADDED].params
+    for batch, deep in ((2, 3), (4, 6), (8, 1), (8, 6)):
+        tokens = batch * (1 + deep)
+        assert padded.verify_ms(tokens, batch * 300, tokens * 300) == pytest.approx(truth(tokens), rel=0.05)
+    assert fits[worker_pb2.VERIFY_LAYOUT_PACKED].rmse_ms > 5 * fits[worker_pb2.VERIFY_LAYOUT_PADDED].rmse_ms
+
+
+def test_the_controller_learns_how_often_a_drafter_offers_a_draft() -> None:
+    """Prompt lookup offers a draft for 30 % of the requests that ask for one: the
+    acceptance view's offer rate follows; requests that did not ask (depth 0,
+    requested 0) do not count, and a worker that never says what it asked
+    for keeps a rate of 1."""
+    rng = np.random.default_rng(3)
+    ctl = Controller(ServerConfig(), load_preset("goodput"), clock=lambda: 0.0)
+    lookup = ctl.hello(make_hello("lookup", kind=worker_pb2.DRAFTER_KIND_NGRAM, version="ngram"))
+    silent = ctl.hello(make_hello("silent", version="eagle-x"))
+    for i in range(1500):
+        for state, asks in ((lookup, True), (silent, False)):
+            step = worker_pb2.StepReport(step_id=i + 1, timestamp=1.0, batch_size=2, draft_ms=0.1, verify_ms=10.0)
+            offered = rng.random() < 0.3
+            step.requests.add(request_id=f"a{i}", context_len=300, depth=2 if offered else 0, width=1 if offered else 0,
+                              nodes=2 if offered else 0, accepted=1 if offered else 0,
+                              requested_depth=2 if asks else 0)
+            step.requests.add(request_id=f"b{i}", context_len=300)  # off, never asked
+            assert not ctl.ingest(state, worker_pb2.StepReports(steps=[step]))
+    view = ctl.acceptance.view(lookup.drafter_key, 6, 1)
+    assert view.offer_rate(0) == pytest.approx(0.3, abs=0.04)
+    assert ctl.acceptance.view(silent.drafter_key, 6, 1).offer_rate(0) == 1.0

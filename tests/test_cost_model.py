@@ -82,3 +82,20 @@ def test_compute_curve_follows_a_kernel_staircase_and_never_falls():
     slope, intercept = np.polyfit([k for _, k in linear], [t for t, _ in linear], 1)
     worst = max(abs((intercept + slope * k) / t - 1) for t, k in linear)
     assert worst > 0.15
+
+
+def test_past_the_data_the_curve_climbs_at_least_at_the_mean_slope():
+    """A worker seen only at batch 1 (1–9 tokens), whose last few steps happen to
+    be fast: the fitted curve must not extrapolate that flat last segment to
+    batch 4's 20–40 tokens (a controller once planned maximal trees there)."""
+    rng = np.random.default_rng(4)
+    model = StepCostModel(prior=CostParams())
+    for _ in range(400):
+        n = int(rng.integers(1, 9))
+        model.observe_verify(n, 300, 60.0 + (20.0 if n >= 7 else 0.0) + rng.normal(0, 1.0))
+    for _ in range(5):
+        model.observe_verify(9, 300, 79.0)  # a sparse, slightly fast last segment
+    fit = model.refit()
+    mean_slope = (fit.verify_ms(9.0, 300.0) - fit.verify_ms(1.0, 300.0)) / 8
+    assert mean_slope > 1.5
+    assert fit.verify_ms(40.0, 300.0) - fit.verify_ms(9.0, 300.0) >= 0.95 * 31 * mean_slope

@@ -243,6 +243,7 @@ def test_telemetry_is_measured_and_valid(tiny, decision):
         proto = step_to_proto(step)
         for i, r in enumerate(proto.requests):
             validate_request_step(r, limits, f"steps[{step.step_id}].requests[{i}]", step.step_id)  # raises if bad
+            assert r.requested_depth == decision.depth  # what the decision asked for
             if decision.depth == 0:
                 assert r.depth == 0 and r.nodes == 0 and not r.accepted_rank
             else:
@@ -313,9 +314,13 @@ def test_smollm2_engine_ngram_tree_batch2_equals_generate():
     with torch.inference_mode():
         refs = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=new)[0, len(p):].tolist()
                 for p in prompts]
-    engine = Engine(model, NgramDrafter(), static_decide(Decision(4, 2, 8)), max_batch=2)
+    rec = Recorder()
+    engine = Engine(model, NgramDrafter(), static_decide(Decision(4, 2, 8)), observer=rec, max_batch=2)
     assert engine.generate(prompts, new) == refs
     assert engine.stats.mean_accepted > 0  # the repeated sentence is found in the prompt
+    rows = [r for s in rec.steps for r in s.requests]
+    assert all(r.requested_depth == 4 for r in rows)
+    assert any(r.depth == 0 for r in rows) and any(r.depth > 0 for r in rows)  # asked for, offered or not
 
     tuned = load_model("smollm2-135m", tune_kernels=True, log=None)
     assert tuned.kernels is not None and isinstance(tuned.model.lm_head, TunedLinear)

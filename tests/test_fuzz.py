@@ -261,7 +261,7 @@ class WorkerModel:
 STEM = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=12)  # unicode, NUL included
 BAD_MS = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, -1e-9, 3.6e6, 1e300])
 REQUEST_DEFECTS = ["request_id", "context_len", "depth", "accepted", "width", "nodes", "accepted_rank",
-                   "level_candidates", "draft_confidence", "rank_value", "candidates_value"]
+                   "level_candidates", "draft_confidence", "rank_value", "candidates_value", "requested_depth"]
 STEP_DEFECTS = ["step_id", "timestamp", "batch_size", "requests", "draft_ms", "verify_ms", "duplicate_id",
                 "finished_id"]
 
@@ -271,9 +271,11 @@ def draw_request(data, model: WorkerModel, shape: str) -> worker_pb2.RequestStep
     r = worker_pb2.RequestStep(request_id=model.request_id(data.draw(STEM)),
                                context_len=data.draw(st.integers(0, MAX_CONTEXT_LEN)),
                                domain=data.draw(st.sampled_from(["", "chat", "code", "✓"])))
-    if shape == "off":
+    if shape == "off":  # asked for a draft or not; none offered
+        r.requested_depth = data.draw(st.sampled_from([0, 1, MAX_DEPTH]))
         return r
     r.depth = depth = data.draw(st.integers(1, MAX_DEPTH))
+    r.requested_depth = data.draw(st.sampled_from([0, depth, MAX_DEPTH]))
     r.nodes = data.draw(st.integers(depth, MAX_NODES))
     r.accepted = accepted = data.draw(st.integers(0, depth))
     if shape == "chain":
@@ -328,6 +330,10 @@ def apply_request_defect(data, r: worker_pb2.RequestStep, defect: str) -> str | 
         k = data.draw(st.integers(0, len(r.accepted_rank) - 1))
         r.accepted_rank[k] = r.level_candidates[k] + 1 if k < r.accepted else data.draw(st.integers(1, MAX_WIDTH))
         return f"accepted_rank[{k}]"
+    elif defect == "requested_depth":  # negative, past the drafter's limit, or shallower than the tree
+        shallower = st.integers(1, r.depth - 1) if r.depth > 1 else st.just(-1)
+        r.requested_depth = data.draw(st.one_of(st.integers(-(1 << 31), -1), st.integers(MAX_DEPTH + 1, (1 << 31) - 1),
+                                                shallower))
     elif defect == "candidates_value" and tree:
         k = data.draw(st.integers(0, len(r.level_candidates) - 1))
         r.level_candidates[k] = data.draw(st.sampled_from([0, -1, r.width + 1]))

@@ -17,7 +17,7 @@ from policies.goodput import (
     best_first_nodes,
     capped_node_lists,
 )
-from policies.table import DEFAULT_BATCH_EDGES, DEFAULT_CONTEXT_EDGES
+from policies.table import DEFAULT_BATCH_EDGES, DEFAULT_CONTEXT_EDGES, Decision
 
 # H100-class roofline for an 8B model: 16 GB of weights at 3.35 TB/s, 128 KiB
 # of KV per token, decode GEMMs at ~35% of 989 TFLOP/s dense.
@@ -165,8 +165,9 @@ def test_depth_cap_search_does_not_buy_a_whole_draft_level_for_one_deep_node():
 class FixedAcceptance:
     """The same rank probabilities in every context bucket."""
 
-    def __init__(self, q: np.ndarray) -> None:
+    def __init__(self, q: np.ndarray, offer: float = 1.0) -> None:
         self.q = q
+        self.offer = offer
         self.context_edges = DEFAULT_CONTEXT_EDGES
         self.max_depth, self.max_width = q.shape
 
@@ -178,6 +179,9 @@ class FixedAcceptance:
 
     def effective_samples(self, context_bucket: int) -> np.ndarray:
         return np.full(self.max_depth, 1e6)
+
+    def offer_rate(self, context_bucket: int) -> float:
+        return self.offer
 
 
 def test_hardware_prior_prices_compute_like_a_serving_engine():
@@ -237,3 +241,30 @@ def test_cells_with_data_follow_their_data_only():
         model.tick(t + 1.0)
     chain = model.view(key, 2, 1).chain_alpha(0)
     assert chain[0] == pytest.approx(0.6, abs=0.05) and chain[1] == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_padded_forward_and_a_drafter_that_rarely_offers_are_priced_as_they_run():
+    """A CPU-like worker at batch 4: a forward costs 80 ms up to 4 tokens, then 8 ms
+    per token. A drafter that offers a draft for 30 % of the requests asked (prompt
+    lookup), α = 0.5 per position when it does. Ragged batching pays only for the
+    drafts offered: speculation still wins. A padded forward pays for the widest
+    block on every row, and one of four requests usually brings one: off. A
+    drafter that always offers wins even padded."""
+    knots = (1.0, 4.0, 5.0)
+    cpu = CostParams(mem_ms=0.0, compute_ms=80.0, compute_ms_per_token=8.0, compute_knots=knots,
+                     compute_rise_ms=(0.0, 0.0, 8.0), draft_ms_per_level=0.0)
+    q = np.array([[0.5], [0.5], [0.5]])
+
+    def decision(offer: float, padded: bool) -> Decision:
+        obs = Observation(now=0.0, worker_id="w", drafter=DrafterLimits("ngram", "", 3, 1, 3, 0),
+                          batch_edges=DEFAULT_BATCH_EDGES, context_edges=DEFAULT_CONTEXT_EDGES,
+                          acceptance=FixedAcceptance(q, offer), cost=cpu,
+                          load=LoadProfile(mean_batch_size=4, context_share=(1.0,) + (0.0,) * 8,
+                                           context_mean=(300.0,) + (0.0,) * 8),
+                          padded_verify=padded)
+        plan, _ = GoodputPolicy(GoodputConfig(probe_fraction=0.0)).decide((0, 0), obs)
+        return plan.table.lookup(4, 300)
+
+    assert decision(0.3, padded=False).depth >= 1
+    assert decision(0.3, padded=True) == Decision.off()
+    assert decision(1.0, padded=True).depth >= 1

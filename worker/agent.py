@@ -84,6 +84,7 @@ def step_to_proto(step: StepTelemetry) -> worker_pb2.StepReport:
             level_candidates=cands,
             draft_confidence=r.draft_confidence,
             domain=r.domain,
+            requested_depth=r.requested_depth,
         )
     return report
 

@@ -138,6 +138,7 @@ def make_hello(worker_id: str, model_name: str, model, drafter, max_batch: int) 
                                      kv_bytes_per_token=float(2 * cfg.num_hidden_layers * heads * head_dim * itemsize),
                                      params=float(params)),
         max_batch_size=max_batch,
+        verify_layout=worker_pb2.VERIFY_LAYOUT_PADDED,  # Engine pads every row's block to the largest
     )
     if drafter is not None and drafter.kind in DRAFTER_KINDS:
         lim = drafter.limits

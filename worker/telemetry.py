@@ -18,7 +18,9 @@ class RequestTelemetry:
     one entry per level reached (``min(accepted + 1, depth)`` entries): the
     1-based rank of the accepted candidate (0 = none) and how many candidates
     were offered there. Left empty for a chain, they are derived from
-    ``accepted`` and ``depth``.
+    ``accepted`` and ``depth``. ``requested_depth``: the depth the decision
+    asked for (0 = off or unknown); with ``depth`` 0 it says the drafter
+    offered nothing.
     """
 
     request_id: str
@@ -31,6 +33,7 @@ class RequestTelemetry:
     level_candidates: Sequence[int] = ()
     draft_confidence: Sequence[float] = ()
     domain: str = ""
+    requested_depth: int = 0
 
     def position_outcomes(self) -> tuple[list[int], list[int]]:
         """(accepted_rank, level_candidates), derived for chains when not given."""

@@ -96,6 +96,8 @@ class EngineStats:
     steps: int = 0
     tokens: int = 0  # generated tokens, all requests
     row_steps: int = 0
+    spec_row_steps: int = 0  # row-steps that drafted (a non-empty tree)
+    draft_nodes: int = 0  # Σ nodes verified
     accepted: int = 0  # Σ τ
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -401,6 +403,7 @@ class Engine:
                 level_candidates=o.level_candidates if depth else (),
                 draft_confidence=o.draft_confidence if depth else (),
                 domain=req.domain,
+                requested_depth=decisions[b].depth,
             ))
             if wants_hidden:
                 row.pending.append(hidden[b, o.path].clone())
@@ -416,6 +419,8 @@ class Engine:
                     finished.append(b)
                     break
             self.stats.row_steps += 1
+            self.stats.spec_row_steps += depth > 0
+            self.stats.draft_nodes += tree.num_nodes
             self.stats.accepted += o.accepted
         self.stats.steps += 1
         self.stats.draft_s += draft_s

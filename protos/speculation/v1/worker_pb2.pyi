@@ -15,12 +15,21 @@ class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFTER_KIND_NGRAM: _ClassVar[DrafterKind]
     DRAFTER_KIND_DRAFT_MODEL: _ClassVar[DrafterKind]
     DRAFTER_KIND_MTP: _ClassVar[DrafterKind]
+
+class VerifyLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERIFY_LAYOUT_UNSPECIFIED: _ClassVar[VerifyLayout]
+    VERIFY_LAYOUT_PACKED: _ClassVar[VerifyLayout]
+    VERIFY_LAYOUT_PADDED: _ClassVar[VerifyLayout]
 DRAFTER_KIND_UNSPECIFIED: DrafterKind
 DRAFTER_KIND_MEDUSA: DrafterKind
 DRAFTER_KIND_EAGLE: DrafterKind
 DRAFTER_KIND_NGRAM: DrafterKind
 DRAFTER_KIND_DRAFT_MODEL: DrafterKind
 DRAFTER_KIND_MTP: DrafterKind
+VERIFY_LAYOUT_UNSPECIFIED: VerifyLayout
+VERIFY_LAYOUT_PACKED: VerifyLayout
+VERIFY_LAYOUT_PADDED: VerifyLayout
 
 class Drafter(_message.Message):
     __slots__ = ("kind", "version", "max_depth", "max_width", "max_tree_nodes", "trained_context_len")
@@ -57,7 +66,7 @@ class Hardware(_message.Message):
     def __init__(self, accelerator: _Optional[str] = ..., count: _Optional[int] = ..., memory_bandwidth_gb_s: _Optional[float] = ..., peak_tflops: _Optional[float] = ..., weight_bytes: _Optional[float] = ..., kv_bytes_per_token: _Optional[float] = ..., params: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "engine", "model", "hardware", "drafter", "max_batch_size", "current_plan_version")
+    __slots__ = ("worker_id", "engine", "model", "hardware", "drafter", "max_batch_size", "current_plan_version", "verify_layout")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +74,7 @@ class Hello(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     CURRENT_PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     engine: str
     model: str
@@ -72,10 +82,11 @@ class Hello(_message.Message):
     drafter: Drafter
     max_batch_size: int
     current_plan_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., drafter: _Optional[_Union[Drafter, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., current_plan_version: _Optional[int] = ...) -> None: ...
+    verify_layout: VerifyLayout
+    def __init__(self, worker_id: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., drafter: _Optional[_Union[Drafter, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., current_plan_version: _Optional[int] = ..., verify_layout: _Optional[_Union[VerifyLayout, str]] = ...) -> None: ...
 
 class RequestStep(_message.Message):
-    __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain")
+    __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain", "requested_depth")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +97,7 @@ class RequestStep(_message.Message):
     LEVEL_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_len: int
     depth: int
@@ -96,7 +108,8 @@ class RequestStep(_message.Message):
     level_candidates: _containers.RepeatedScalarFieldContainer[int]
     draft_confidence: _containers.RepeatedScalarFieldContainer[float]
     domain: str
-    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., nodes: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_rank: _Optional[_Iterable[int]] = ..., level_candidates: _Optional[_Iterable[int]] = ..., draft_confidence: _Optional[_Iterable[float]] = ..., domain: _Optional[str] = ...) -> None: ...
+    requested_depth: int
+    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., nodes: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_rank: _Optional[_Iterable[int]] = ..., level_candidates: _Optional[_Iterable[int]] = ..., draft_confidence: _Optional[_Iterable[float]] = ..., domain: _Optional[str] = ..., requested_depth: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("step_id", "timestamp", "batch_size", "draft_ms", "verify_ms", "requests")
