@@ -268,7 +268,7 @@ class Controller:
         outcomes = []
         unreported = step.batch_size - len(rows)  # requests not reported decode one token each
         batch_tokens = tokens = unreported
-        kv_tokens = max_depth = max_nodes = total_nodes = level_kv = attn_pairs = 0
+        kv_tokens = max_depth = total_nodes = level_kv = attn_pairs = 0
         posteriors = None
         for row in rows:
             rid, ctx, depth, width, nodes, accepted, ranks, cands, requested = row
@@ -276,8 +276,6 @@ class Controller:
             kv_tokens += ctx
             attn_pairs += (1 + nodes) * ctx
             total_nodes += nodes
-            if nodes > max_nodes:
-                max_nodes = nodes
             tokens += 1 + accepted
             c = bisect_right(edges, ctx) - 1  # edges start at 0, so c >= 0
             counts[c] += 1.0
@@ -311,8 +309,8 @@ class Controller:
             active.popitem(last=False)
         draft_ms, verify_ms, batch = step.draft_ms, step.verify_ms, step.batch_size
         if state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED:  # what the forward really computed
-            batch_tokens = batch * (1 + max_nodes)
-            attn_pairs = kv_tokens * (1 + max_nodes)
+            widest = 1 + max((row[4] for row in rows), default=0)
+            batch_tokens, attn_pairs = batch * widest, kv_tokens * widest
         state.cost.observe_step(batch_tokens, kv_tokens, max_depth, total_nodes, level_kv, draft_ms, verify_ms,
                                 attn_pairs)
         state.recent_steps.append(
