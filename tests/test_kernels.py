@@ -64,6 +64,7 @@ def test_tuned_layer_equals_f_linear_for_every_row_count_and_layout():
         x = torch.randn(2, 5, 37)  # [batch, tokens, features], as a decoder layer calls it
         assert tuned(x).shape == (2, 5, 53)
         torch.testing.assert_close(tuned(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert tuned(torch.randn(0, 37)).shape == (0, 53)
         strided = torch.randn(37, 7).t()  # not contiguous
         torch.testing.assert_close(tuned(strided), F.linear(strided, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 

@@ -182,7 +182,7 @@ class TunedLinear(torch.nn.Module):
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
-        kernel, padded = self.dispatch.lookup(rows)
+        kernel, padded = self.dispatch.lookup(rows) if rows else (DENSE, 0)
         if kernel == DENSE:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
