@@ -172,7 +172,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      prompts: int = 8, max_new_tokens: int = 48, depths=(2, 4),
                      drafters=("ngram", "medusa", "eagle", "oracle"), policy: str = "goodput",
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True,
-                     warmup_prompts: int = 0, kernels: str = "tuned") -> int:
+                     warmup_prompts: int = 0, kernels: str = "tuned", calibrate: bool = True) -> int:
 
     from controller.background import BackgroundController, in_process_config
     from worker.cli import set_threads
@@ -207,11 +207,16 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     controller = (BackgroundController(in_process_config(policy, record=str(out / "engine-telemetry.jsonl.gz")))
                   if policy and learned else None)
     agents = {}
+    calibration = []
     if controller is not None:
         from worker.agent import AgentOptions, SpeculationAgent
+        from worker.engine.calibrate import calibrate_verify
 
+        if calibrate:  # what a worker does at start-up: its Hello carries the verify times of a grid of shapes
+            with torch.inference_mode():
+                calibration = calibrate_verify(model, max(batches), 24)
         for d in learned:
-            hello = make_hello(f"bench-{d}", model_name, model, built[d], max(batches))
+            hello = make_hello(f"bench-{d}", model_name, model, built[d], max(batches), calibration)
             agents[d] = SpeculationAgent(hello, controller.address, AgentOptions(fallback=Decision.chain(2))).start()
 
     # Greedy output does not depend on the configuration (every run is
@@ -274,6 +279,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "heads": {d: getattr(built[d], "version", "") for d in learned},
         "kernels": _kernel_summary(lm.kernels),
         "controller_cost_models": fitted,
+        "calibration": [asdict(t) for t in calibration],
         "runs": [asdict(r) for r in runs],
     }
     (out / "engine.json").write_text(json.dumps(result, indent=1))

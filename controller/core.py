@@ -87,6 +87,7 @@ class WorkerState:
     recent_finished: deque = field(default_factory=lambda: deque(maxlen=RECENT_FINISHED))
     # Load profile: EMA of batch size, of the context-bucket share and mean.
     batch_ema: float = 0.0
+    last_batch_size: int = 0  # of the last step ingested
     context_counts: list[float] = field(default_factory=list)
     context_sums: list[float] = field(default_factory=list)
     context_share: np.ndarray | None = None
@@ -132,6 +133,18 @@ class WorkerState:
 
 CARRIED_COUNTERS = ("steps_total", "tokens_total", "step_ms_total", "plans_pushed", "decisions_pushed", "acks",
                     "nacks", "rejections")
+
+
+def calibrate(cost: StepCostModel, samples) -> None:
+    """Start a worker's cost model from the forwards it timed at start-up
+    (``Hello.calibration``), each weighing ``repeats`` observations: the first plans
+    then price the hardware's own cost curve instead of a roofline guess, and
+    the policy's cost caution knows which batch sizes have been measured.
+    They set the curve's shape; its level follows live steps
+    (``StepCostModel.calibrate``)."""
+    # Every token attends to its request's context: pairs = kv · tokens per row.
+    cost.calibrate((c.batch_tokens, c.kv_tokens, c.kv_tokens * c.batch_tokens / c.batch_size, c.verify_ms, c.repeats)
+                   for c in samples)
 
 
 class Controller:
@@ -181,6 +194,7 @@ class Controller:
             )
             previous = state
             state = WorkerState(hello=hello, limits=limits, cost=StepCostModel(prior=prior))
+            calibrate(state.cost, hello.calibration)
             state.context_counts = [0.0] * len(self.context_edges)
             state.context_sums = [0.0] * len(self.context_edges)
             state.policy_state = self.policy.initial_state(seed=_stable_seed(hello.worker_id))
@@ -317,6 +331,7 @@ class Controller:
             StepOutcome(step.step_id, step.timestamp, batch, draft_ms, verify_ms, tuple(outcomes), tokens))
         keep = 1 - LOAD_EMA
         state.batch_ema = batch if state.steps_ingested == 0 else keep * state.batch_ema + LOAD_EMA * batch
+        state.last_batch_size = batch
         state.tokens_ema = keep * state.tokens_ema + LOAD_EMA * tokens
         state.step_ms_ema = keep * state.step_ms_ema + LOAD_EMA * (draft_ms + verify_ms)
         state.last_step_id = step.step_id
@@ -469,10 +484,13 @@ class Controller:
         if not self.policy.model_based:
             return True
         # Both tables judged under today's estimates: the old plan's own
-        # estimate was made with yesterday's.
-        old = table_goodput(state.current.table, obs)
-        new = table_goodput(draft.table, obs)
-        return new > old * (1.0 + self.config.plan.hysteresis)
+        # estimate was made with yesterday's. At the mean batch and at the batch
+        # of the last step: when the load jumps (4 -> 8 requests) the mean lags
+        # for dozens of steps, and a stale row of the old table runs meanwhile.
+        batches = {max(1.0, obs.load.mean_batch_size), float(max(1, state.last_batch_size))}
+        margin = 1.0 + self.config.plan.hysteresis
+        return any(table_goodput(draft.table, obs, b) > table_goodput(state.current.table, obs, b) * margin
+                   for b in batches)
 
     def _override_diff(self, state: WorkerState, draft: PlanDraft, now: float) -> plan_pb2.RequestDecisions | None:
         wanted = {rid: d for rid, d in draft.overrides.items() if rid in state.active}

@@ -38,6 +38,17 @@ draft_ms_per_level_kv_token·Σ_i depth_i·context_len_i`` — the last term is
 an autoregressive drafter reading its own KV cache once per level, which
 matters at long context.
 
+The fit also says how sure it is: ``verify_sd_ms(batch_tokens)`` is its
+RMSE shrunk by the observations in that batch-token segment. A policy
+deciding whether to speculate at a batch the worker has never run (the
+first minute at batch 8 after an hour at batch 4) is then told that the
+interpolated price there is one RMSE wide, not as exact as the prices it
+has measured thousands of times.
+
+A worker may also send a start-up calibration (verify times at a grid of
+batch shapes, ``StepCostModel.calibrate``): it shapes the curve where no
+traffic has been yet, at the level live traffic sets.
+
 Memory is bounded: verify observations land in a fixed grid of cells over
 (batch-token segment, log2 kv_tokens), each keeping decayed weighted sums;
 the draft model keeps 4×4 normal-equation sums. Nothing grows with traffic.
@@ -73,6 +84,11 @@ class CostParams:
     # ``compute_ms`` there (non-decreasing, 0 at the first knot). Empty: linear plane.
     compute_knots: tuple[float, ...] = ()
     compute_rise_ms: tuple[float, ...] = ()
+    # How well the fit knows each segment of the curve: the (decayed) number of
+    # verify observations whose batch tokens fall in it, and the fit's RMSE.
+    # Empty: the parameters are exact (a prior, or a simulator's truth).
+    compute_evidence: tuple[float, ...] = ()
+    verify_rmse_ms: float = 0.0
     draft_fixed_ms: float = 0.0
     draft_ms_per_level: float = 0.5
     draft_ms_per_node: float = 0.0
@@ -154,6 +170,21 @@ class CostParams:
         comp = (self.compute_ms + self.compute_curve_ms(batch_tokens)
                 + self.compute_ms_per_pair * np.asarray(attn_pairs, dtype=float))
         out = np.maximum(mem, comp)
+        return float(out) if out.ndim == 0 else out
+
+    def verify_sd_ms(self, batch_tokens):
+        """Standard error (ms) of :meth:`verify_ms` at ``batch_tokens``: the fit's
+        RMSE over the root of one plus the observations in that segment of the
+        curve. A batch size the worker has never run is priced by interpolation
+        and carries a whole RMSE; one it runs all day, almost none. 0 when the
+        parameters carry no evidence (exact costs)."""
+        n = np.asarray(batch_tokens, dtype=float)
+        if not self.compute_evidence or self.verify_rmse_ms <= 0:
+            out = np.zeros(n.shape)
+        else:
+            knots = np.asarray(self.compute_knots, dtype=float)
+            seg = np.clip(np.searchsorted(knots, n, side="right") - 1, 0, len(knots) - 1)
+            out = self.verify_rmse_ms / np.sqrt(1.0 + np.asarray(self.compute_evidence)[seg])
         return float(out) if out.ndim == 0 else out
 
     def draft_ms(self, max_depth, total_nodes, batch_size=None, level_kv_tokens=0.0):
@@ -287,6 +318,15 @@ def fit_max_planes(
                    compute_knots=tuple(float(k) for k in start), compute_rise_ms=tuple(float(r) for r in rise))
 
 
+def _cell_index(batch_tokens: np.ndarray, kv_tokens: np.ndarray) -> np.ndarray:
+    """Verify-sketch cell of each observation. Batch cells: the compute curve's
+    segments; KV cells: frexp's exponent of x >= 1 is int(x).bit_length(), 0
+    stays in cell 0."""
+    b = np.clip(np.searchsorted(_KNOTS, batch_tokens, side="right") - 1, 0, len(_KNOTS) - 1)
+    k = np.where(kv_tokens >= 1, np.minimum(np.frexp(np.maximum(kv_tokens, 1.0))[1], KV_BITS - 1), 0)
+    return b * KV_BITS + k
+
+
 class StepCostModel:
     """Online fit of one worker's step cost.
 
@@ -333,9 +373,55 @@ class StepCostModel:
         # Observations since the last fold (bounded: folded every PENDING_FOLD).
         self._pending: list[tuple[float, float, float, float]] = []
         self._pending_draft: list[tuple[float, float, float, float, float]] = []
+        # Start-up calibration, kept apart from live cells: [samples, (N, KV, pairs, ms, weight)].
+        self._calibration = np.zeros((0, 5))
+        self.calibration_scale = 1.0
         self.samples = 0
         self.params = prior
         self.rmse_ms = 0.0
+
+    def calibrate(self, samples) -> None:
+        """Verify times the worker measured at start-up, ``(batch_tokens,
+        kv_tokens, attn_pairs, verify_ms, weight)`` each (at most 256 kept).
+
+        They give the curve its *shape* where traffic has not been: the
+        level is the live one. A worker measured on a quiet machine and
+        then run among other processes (or warmer, or throttled) is slower
+        at every shape by a similar factor, so at each refit the samples
+        are scaled by the weighted least-squares ratio of live means to
+        calibration at the batch-token segments that have both
+        (``calibration_scale``; 1 until traffic overlaps them). Mixed unscaled, a calibration 20 %
+        below live times makes the curve flat from the last live shape to
+        the first calibrated one: the reference worker's controller saw 7
+        and 8 tokens as free at batch 1 and planned 8-token trees."""
+        rows = np.asarray(list(samples), dtype=float).reshape(-1, 5)[:256]
+        if rows.size and not (np.isfinite(rows).all() and (rows[:, 3] > 0).all() and (rows[:, 4] > 0).all()):
+            raise ValueError("calibration samples need finite values, verify_ms > 0 and weight > 0")
+        self._calibration = rows
+
+    @property
+    def calibration_samples(self) -> int:
+        return len(self._calibration)
+
+    def _calibration_cells(self) -> np.ndarray:
+        return _cell_index(self._calibration[:, 0], self._calibration[:, 1])
+
+    def _scaled_calibration(self) -> np.ndarray:
+        """Calibration rows with ms scaled to the live level (see :meth:`calibrate`)."""
+        cal = self._calibration.copy()
+        # Compared per batch-token segment (all context lengths together): a start-up
+        # grid and live traffic rarely share a KV cell, and the scale is one number.
+        segment = self._calibration_cells() // KV_BITS
+        seg_w = self._w.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1)
+        seg_t = self._t.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1)
+        live_w = seg_w[segment]
+        both = live_w >= 3.0  # a few live steps at the same batch tokens
+        if both.any():
+            live = seg_t[segment[both]] / live_w[both]
+            ms, w = cal[both, 3], np.minimum(live_w[both], cal[both, 4])
+            self.calibration_scale = float(np.clip(np.sum(w * live * ms) / np.sum(w * ms * ms), 0.25, 4.0))
+        cal[:, 3] *= self.calibration_scale
+        return cal
 
     def observe_verify(self, batch_tokens: int, kv_tokens: int, verify_ms: float, attn_pairs: float = 0.0) -> None:
         self._pending.append((batch_tokens, kv_tokens, verify_ms, attn_pairs))
@@ -361,11 +447,7 @@ class StepCostModel:
             self.samples += len(self._pending)
             self._pending.clear()
             n, kv, t, pairs = obs[:, 0], obs[:, 1], obs[:, 2], obs[:, 3]
-            # Batch cells: the compute curve's segments; KV cells: frexp's exponent of
-            # x >= 1 is int(x).bit_length(), 0 stays in cell 0.
-            b = np.clip(np.searchsorted(_KNOTS, n, side="right") - 1, 0, len(_KNOTS) - 1)
-            k = np.where(kv >= 1, np.minimum(np.frexp(np.maximum(kv, 1.0))[1], KV_BITS - 1), 0)
-            cells = b * KV_BITS + k
+            cells = _cell_index(n, kv)
             for arr, values in ((self._w, np.ones_like(t)), (self._n, n), (self._kv, kv), (self._pairs, pairs),
                                 (self._t, t), (self._t2, t * t)):
                 np.add.at(arr, cells, values)
@@ -391,18 +473,27 @@ class StepCostModel:
         w = self._w
         used = np.flatnonzero(w > 0)
         params = self.prior
-        if used.size:
+        cal = self._scaled_calibration() if len(self._calibration) else np.zeros((0, 5))
+        if used.size or len(cal):
             weights = w[used]
             n = self._n[used] / weights
             kv = self._kv[used] / weights
             t = self._t[used] / weights
             pairs = self._pairs[used] / weights
-            params = fit_max_planes(n, kv, t, weights, self.prior, self.prior_weight, attn_pairs=pairs)
-            # RMSE over every observation: within-cell spread plus fit error.
-            t2 = self._t2[used] / weights
-            pred = params.verify_ms(n, kv, pairs)
-            mse = np.sum(weights * (t2 - 2 * t * pred + pred**2)) / weights.sum()
-            self.rmse_ms = float(math.sqrt(max(mse, 0.0)))
+            params = fit_max_planes(np.concatenate([n, cal[:, 0]]), np.concatenate([kv, cal[:, 1]]),
+                                    np.concatenate([t, cal[:, 3]]), np.concatenate([weights, cal[:, 4]]),
+                                    self.prior, self.prior_weight, attn_pairs=np.concatenate([pairs, cal[:, 2]]))
+            if used.size:  # RMSE over every live observation: within-cell spread plus fit error
+                t2 = self._t2[used] / weights
+                pred = params.verify_ms(n, kv, pairs)
+                mse = np.sum(weights * (t2 - 2 * t * pred + pred**2)) / weights.sum()
+                self.rmse_ms = float(math.sqrt(max(mse, 0.0)))
+            if params.compute_knots:
+                evidence = self._w.copy()
+                np.add.at(evidence, self._calibration_cells(), self._calibration[:, 4])
+                per_segment = evidence.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1)
+                params = replace(params, compute_evidence=tuple(float(e) for e in per_segment),
+                                 verify_rmse_ms=self.rmse_ms)
         params = self._fit_draft(params)
         self.params = params
         return params

@@ -24,6 +24,9 @@ DRAFTER_KIND_NAMES = {
 }
 MAX_CONTEXT_LEN = 1 << 24  # tokens; far beyond any served context
 MAX_BATCH_SIZE = 1 << 16
+MAX_BATCH_TOKENS = 1 << 20  # tokens one forward computes
+MAX_STEP_MS = 3.6e6  # one hour
+MAX_CALIBRATION = 256  # calibration samples in a Hello
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,18 @@ def validate_hello(hello: worker_pb2.Hello) -> None:
     )
     _need(hello.verify_layout in worker_pb2.VerifyLayout.values(), "hello.verify_layout",
           f"{hello.verify_layout} is not a known VerifyLayout")
+    _need(len(hello.calibration) <= MAX_CALIBRATION, "hello.calibration",
+          f"{len(hello.calibration)} samples exceed {MAX_CALIBRATION}")
+    for i, c in enumerate(hello.calibration):
+        path = f"hello.calibration[{i}]"
+        _need(1 <= c.batch_size <= MAX_BATCH_SIZE, f"{path}.batch_size", f"{c.batch_size} must be in 1..{MAX_BATCH_SIZE}")
+        _need(c.batch_size <= c.batch_tokens <= MAX_BATCH_TOKENS, f"{path}.batch_tokens",
+              f"{c.batch_tokens} must be in batch_size ({c.batch_size})..{MAX_BATCH_TOKENS}")
+        _need(0 <= c.kv_tokens <= c.batch_size * MAX_CONTEXT_LEN, f"{path}.kv_tokens",
+              f"{c.kv_tokens} must be in 0..batch_size x {MAX_CONTEXT_LEN}")
+        _need(math.isfinite(c.verify_ms) and 0 < c.verify_ms <= MAX_STEP_MS, f"{path}.verify_ms",
+              f"{c.verify_ms} must be in (0, {MAX_STEP_MS}]")
+        _need(1 <= c.repeats <= 64, f"{path}.repeats", f"{c.repeats} must be in 1..64")
 
 
 def _bad(path: str, name: str, detail: str, step_id: int) -> Invalid:

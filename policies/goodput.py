@@ -42,6 +42,18 @@ Thompson sampling on a deterministic slice of requests: their decisions come
 from a posterior sample instead of the mean, so an option that looks bad —
 speculation that was switched off — keeps being re-tested, and forgetting in
 the acceptance model widens the posterior while it is not observed.
+
+Cost caution: the fitted verify time is exact only where the worker has run.
+Before a worker's first minute at batch 8 its price for 8 requests × 2
+tokens is interpolated between batches it has run, and an interpolation a
+few percent off turns a predicted +7 % into a measured −10 % (seen on the
+reference worker). Whether to speculate is judged with every batch that
+drafts priced ``cost_caution`` standard errors (``cost.verify_sd_ms``)
+above its fitted time, which is nothing where the worker runs all day and
+one RMSE where it has never run; which tree to draft is still chosen by the
+expected goodput, so caution does not pin a worker to the shapes it has
+already measured. Probes draw the shift from the normal distribution
+instead, so untried batch sizes still get measured.
 """
 
 from __future__ import annotations
@@ -71,6 +83,10 @@ class GoodputConfig(BaseModel):
         description="context buckets below this share of traffic are decided by the batch's marginal node price",
     )
     min_gain: float = Field(0.01, ge=0.0, le=1.0, description="relative goodput gain speculation must bring over off")
+    cost_caution: float = Field(
+        1.0, ge=0.0, le=10.0,
+        description="standard errors of the fitted verify time added to every batch that drafts (probes draw it)",
+    )
     seed: int = Field(0, ge=0)
 
 
@@ -243,7 +259,8 @@ def expected_max_depth(depths: np.ndarray, shares: np.ndarray, batch: float) -> 
 
 
 def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray, depths: np.ndarray,
-                   taken: np.ndarray, cost, offer: np.ndarray | None = None, padded: bool = False) -> np.ndarray:
+                   taken: np.ndarray, cost, offer: np.ndarray | None = None, padded: bool = False,
+                   caution: float = 0.0) -> np.ndarray:
     """Expected tokens per second of a batch of groups (``counts`` requests of
     ``contexts`` tokens each) that accept ``gained`` draft tokens in expectation
     and whose requests draft ``taken[..., g]`` nodes in ``depths[..., g]`` levels:
@@ -253,8 +270,17 @@ def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray,
     for (``gained`` already counts it). ``padded``: the worker's forward pads
     every request's block to the largest, so it computes ``batch · (1 + w)``
     tokens with ``w`` the largest block any request brings — about
-    ``max_g taken_g · P(some request of g gets a draft)``.
+    ``max_g taken_g · P(some request of g gets a draft)``. ``caution``: the
+    verify time of every batch that drafts is raised by this many of the cost
+    model's standard errors at its batch tokens (``cost.verify_sd_ms``; a
+    cost without one is exact); negative values are optimistic.
     """
+    emitted, step_ms = _prefix_step(counts, contexts, gained, depths, taken, cost, offer, padded, caution)
+    return emitted / np.maximum(step_ms, 1e-9) * 1000.0
+
+
+def _prefix_step(counts, contexts, gained, depths, taken, cost, offer, padded, caution):
+    """(tokens emitted, step ms) of :func:`prefix_goodput`'s batches."""
     batch = float(counts.sum())
     offer = np.ones_like(counts) if offer is None else np.asarray(offer, dtype=np.float64)
     kv_per_group = counts * contexts
@@ -269,7 +295,11 @@ def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray,
         tokens = batch + drafted
         pairs = kv + taken @ (kv_per_group * offer)  # Σ (1 + nodes) · context: attention's query-key pairs
     step_ms = cost.verify_ms(tokens, kv, pairs) + cost.draft_ms(levels, drafted, batch, level_kv)
-    return (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0
+    if caution and hasattr(cost, "verify_sd_ms"):
+        # Only batches that draft pay it: off is what the worker falls back to, and
+        # whether a tree pays is what the model may have wrong.
+        step_ms = step_ms + caution * cost.verify_sd_ms(tokens) * (np.asarray(tokens) > batch + 1e-9)
+    return batch + gained, step_ms
 
 
 def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost, offer: np.ndarray | None = None,
@@ -339,20 +369,30 @@ class PrefixTable:
         self.depths = np.concatenate(depths)  # [prefixes, groups]
 
     def best(self, counts: Sequence[float], contexts: Sequence[float], cost, min_gain: float = 0.0,
-             offer: Sequence[float] | None = None, padded: bool = False) -> tuple[int, Allocation]:
+             offer: Sequence[float] | None = None, padded: bool = False,
+             caution: float = 0.0) -> tuple[int, Allocation]:
         """The best cap's index and its allocation for a batch of ``counts``
         requests per group; speculation must beat off by ``min_gain``
-        (``offer``, ``padded``: as in :func:`prefix_goodput`)."""
+        (``offer``, ``padded``, ``caution``: as in :func:`prefix_goodput`).
+        The prefix with the best expected goodput wins if its cautious goodput
+        beats off; else the best cautious one does, if any beats off; else off.
+        The allocation reports the expected goodput."""
         counts = np.asarray(counts, dtype=np.float64)
         if counts.sum() <= 0:
             return 0, Allocation((0,) * len(counts), 0.0, 0.0)
         offer_rates = None if offer is None else np.asarray(offer, dtype=np.float64)
-        goodput = prefix_goodput(counts, np.asarray(contexts, dtype=np.float64), self.gained @ counts,
-                                 self.depths, self.taken, cost, offer_rates, padded)
+        args = (counts, np.asarray(contexts, dtype=np.float64), self.gained @ counts, self.depths, self.taken, cost,
+                offer_rates, padded)
+        goodput = prefix_goodput(*args)
+        judged = prefix_goodput(*args, caution=caution) if caution else goodput
+        # The expected goodput picks the tree; caution only decides whether to
+        # speculate at all (a well-measured smaller tree may still beat off).
         best = int(np.argmax(goodput))
         off = float(goodput[0])  # the first prefix of the first cap: no nodes at all
-        if goodput[best] < off * (1.0 + min_gain):
-            best = 0
+        bar = off * (1.0 + min_gain)
+        if judged[best] < bar:
+            safest = int(np.argmax(judged))
+            best = safest if judged[safest] >= bar else 0
         nodes = tuple(int(n) if c > 0 else 0 for n, c in zip(self.taken[best], counts))
         return int(self.cap_of[best]), Allocation(nodes, float(goodput[best]), off)
 
@@ -398,10 +438,11 @@ def offered_rank_probs(rank_probs: np.ndarray, offer_rate: float) -> np.ndarray:
     return out
 
 
-def table_goodput(table: DecisionTable, obs: Observation) -> float:
+def table_goodput(table: DecisionTable, obs: Observation, batch: float | None = None) -> float:
     """Estimated tokens per second of ``table`` at the worker's current load
-    (a batch of the mean batch size drawn from the observed context mix)."""
-    batch = max(1.0, obs.load.mean_batch_size)
+    (a batch of ``batch`` requests, default the mean batch size, drawn from
+    the observed context mix)."""
+    batch = max(1.0, obs.load.mean_batch_size if batch is None else batch)
     share, means = observed_mix(obs)
     groups, offer = [], []
     for c in np.flatnonzero(share):
@@ -434,7 +475,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
 
     def solve_row(self, obs: Observation, lists_by_cap: Sequence[Sequence[NodeList]], batch_bucket: int,
                   batch: float | None = None, prefixes: tuple[list[int], list[int], PrefixTable] | None = None,
-                  ) -> tuple[int, list[int], float]:
+                  caution: float | None = None) -> tuple[int, list[int], float]:
         """Depth cap and nodes per request for every context bucket at one batch size
         (``batch``; default: the bucket's representative size).
 
@@ -448,7 +489,10 @@ class GoodputPolicy(Policy[GoodputConfig]):
         the winning cap whose value beats the batch's marginal price: a node
         of value ``v`` costing ``δ`` ms raises the goodput ``G = tokens / T``
         iff ``v > G · δ``. ``prefixes``: :meth:`prefix_table` of these lists,
-        when the caller solves many rows. Returns (cap, nodes per bucket, goodput).
+        when the caller solves many rows. ``caution``: standard errors of the
+        cost model added to drafting batches (default ``cost_caution``: a
+        batch size the worker has not run must win by the model's error).
+        Returns (cap, nodes per bucket, expected goodput).
         """
         share, means = observed_mix(obs)
         if batch is None:
@@ -456,8 +500,9 @@ class GoodputPolicy(Policy[GoodputConfig]):
         served, distinct, table = prefixes or self.prefix_table(obs, lists_by_cap)
         counts = [batch * share[c] for c in served]
         contexts = [means[c] for c in served]
+        caution = self.config.cost_caution if caution is None else caution
         index, allocation = table.best(counts, contexts, obs.cost, self.config.min_gain,
-                                       [obs.acceptance.offer_rate(c) for c in served], obs.padded_verify)
+                                       [obs.acceptance.offer_rate(c) for c in served], obs.padded_verify, caution)
         cap = distinct[index] + 1
         nodes = dict(zip(served, allocation.nodes_per_group))
         chosen = lists_by_cap[cap - 1]
@@ -550,7 +595,10 @@ class GoodputPolicy(Policy[GoodputConfig]):
         sampled = [offered_rank_probs(obs.acceptance.sample_rank_probs(c, rng), obs.acceptance.offer_rate(c))
                    if c in wanted else None for c in range(len(obs.context_edges))]
         lists_by_cap = self.node_lists(obs, sampled)
-        cap, nodes_per_bucket, _ = self.solve_row(obs, lists_by_cap, batch_bucket, float(batch))
+        # The cost model's error is sampled too: a probe may take a batch size the
+        # mean decisions avoid because nobody has measured it yet.
+        cost_draw = float(rng.standard_normal())
+        cap, nodes_per_bucket, _ = self.solve_row(obs, lists_by_cap, batch_bucket, float(batch), caution=cost_draw)
         overrides, reasons = {}, {}
         for rid in probes:
             c = bucket_index(obs.context_edges, obs.active_requests[rid])

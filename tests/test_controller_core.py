@@ -13,7 +13,7 @@ from policies.presets import load_preset
 from tests.support import SyntheticWorker, make_hello
 from worker.agent import compile_plan, step_to_proto
 from worker.sim.hardware import CostModel
-from policies.table import Decision, DecisionTable
+from policies.table import Decision, DecisionTable, bucket_index
 from protos.speculation.v1 import plan_pb2, worker_pb2
 
 
@@ -164,3 +164,91 @@ def test_the_controller_learns_how_often_a_drafter_offers_a_draft() -> None:
     view = ctl.acceptance.view(lookup.drafter_key, 6, 1)
     assert view.offer_rate(0) == pytest.approx(0.3, abs=0.04)
     assert ctl.acceptance.view(silent.drafter_key, 6, 1).offer_rate(0) == 1.0
+
+
+def test_a_calibrated_worker_starts_from_its_own_cost_curve() -> None:
+    """A worker whose forward costs 60 ms up to 6 tokens and 72 ms from the 7th
+    sends those times in its Hello. Before any step the controller prices 6
+    tokens at 60 ms and 7 at 72 (a roofline prior cannot know the step), and
+    says it is sure of both; a reconnect does not count them again. A sample
+    with a bad field refuses the Hello, naming it."""
+    from controller.protocol import Invalid, validate_hello
+
+    def truth(tokens: int) -> float:
+        return 60.0 if tokens <= 6 else 72.0 + 2.0 * (tokens - 7)
+
+    hello = make_hello("cal", max_depth=6)
+    shapes = [(1, n) for n in range(1, 13)] + [(4, 4), (4, 8), (4, 12)]
+    for batch, tokens in shapes:
+        hello.calibration.add(batch_size=batch, batch_tokens=tokens, kv_tokens=batch * 128,
+                              verify_ms=truth(tokens), repeats=3)
+    ctl = Controller(ServerConfig(), load_preset("goodput"), clock=lambda: 0.0)
+    state = ctl.hello(hello)
+    fit = state.cost.refit()
+    assert state.cost.calibration_samples == len(shapes) and state.cost.samples == 0
+    for tokens in (1, 6, 7, 12):
+        assert fit.verify_ms(tokens, 128, 128 * tokens) == pytest.approx(truth(tokens), rel=0.03)
+    knots = list(fit.compute_knots)
+    assert fit.compute_evidence[knots.index(6.0)] == 3 and fit.compute_evidence[knots.index(40.0)] == 0
+    assert fit.verify_sd_ms(6) == pytest.approx(fit.verify_rmse_ms / 2) and fit.verify_sd_ms(40) == fit.verify_rmse_ms
+    assert ctl.hello(hello) is state and state.cost.calibration_samples == len(shapes)
+
+    bad = make_hello("cal-bad", max_depth=6)
+    bad.calibration.add(batch_size=1, batch_tokens=1, kv_tokens=10, verify_ms=50.0, repeats=1)
+    bad.calibration.add(batch_size=4, batch_tokens=2, kv_tokens=10, verify_ms=50.0, repeats=1)
+    with pytest.raises(Invalid) as err:
+        validate_hello(bad)
+    assert err.value.field == "hello.calibration[1].batch_tokens" and "2 must be in batch_size (4)" in err.value.detail
+    bad.calibration[1].batch_tokens = 8
+    bad.calibration[1].verify_ms = float("nan")
+    with pytest.raises(Invalid, match="nan"):
+        ctl.hello(bad)
+    assert "cal-bad" not in ctl.workers
+
+
+def test_a_load_jump_gets_the_new_row_pushed_before_the_mean_batch_catches_up() -> None:
+    """Hours at batch 4, then the batch jumps to 8. The new plan differs from
+    the one in force only in the batch-8 row. Judged at the mean batch alone
+    (still ~4) the two tables are equal and the stale batch-8 row would keep
+    running until the mean caught up; judged at the last step's batch too, the
+    new plan is pushed at the first step of batch 8, and not before."""
+    from policies.base import PlanDraft, Policy
+
+    class Scripted(Policy):
+        name = "scripted"
+        model_based = True
+
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.table = DecisionTable.uniform(Decision.off())
+
+        def initial_state(self, seed: int = 0):
+            return None
+
+        def decide(self, state, obs):
+            return PlanDraft(self.table), state
+
+    clock = [0.0]
+    policy = Scripted()
+    ctl = Controller(ServerConfig(plan=PlanSettings(recompute_interval_s=0.0, min_push_interval_s=0.0,
+                                                    hysteresis=0.02)), policy, clock=lambda: clock[0])
+    state = ctl.hello(make_hello("jump", max_depth=6))
+    worker = SyntheticWorker(lambda ctx: 0.8, seed=1)
+
+    def step(batch: int) -> list:
+        clock[0] += 0.1
+        ctl.ingest(state, worker_pb2.StepReports(steps=[step_to_proto(worker.step(lambda *_: Decision.off(), batch,
+                                                                                     500))]))
+        return [m for m in ctl.plan_updates(state) if isinstance(m, plan_pb2.Plan)]
+
+    pushed = [m for _ in range(300) for m in step(4)]
+    assert len(pushed) == 1  # the first plan: off everywhere
+    edges, contexts = state.current.table.batch_edges, state.current.table.context_edges
+    eight = bucket_index(edges, 8)
+    policy.table = DecisionTable.from_rows(
+        [[Decision.chain(2) if b == eight else Decision.off() for _ in contexts] for b in range(len(edges))],
+        edges, contexts)
+    assert bucket_index(edges, 4) != eight
+    assert step(4) == []  # at batch 4 the new row changes nothing
+    [plan] = step(8)
+    assert state.batch_ema < 5 and state.current.table.lookup(8, 500) == Decision.chain(2)

@@ -99,3 +99,48 @@ def test_past_the_data_the_curve_climbs_at_least_at_the_mean_slope():
     mean_slope = (fit.verify_ms(9.0, 300.0) - fit.verify_ms(1.0, 300.0)) / 8
     assert mean_slope > 1.5
     assert fit.verify_ms(40.0, 300.0) - fit.verify_ms(9.0, 300.0) >= 0.95 * 31 * mean_slope
+
+
+def test_the_fit_is_sure_where_it_has_data_and_one_rmse_wide_where_it_interpolates():
+    """A worker seen at 4 and 20 batch tokens, never in between: the price at 12
+    is interpolated and carries the whole RMSE; at 4 and 20 the standard error
+    shrinks with the observations behind it. Exact parameters carry none."""
+    rng = np.random.default_rng(7)
+    model = StepCostModel(prior=CostParams())
+    for _ in range(400):
+        model.observe_verify(4, 300, 67.0 + rng.normal(0, 5.0))
+    for _ in range(25):
+        model.observe_verify(20, 300, 118.0 + rng.normal(0, 5.0))
+    fit = model.refit()
+    assert fit.verify_rmse_ms == pytest.approx(model.rmse_ms) and 3.0 < model.rmse_ms < 8.0
+    assert fit.verify_sd_ms(12) == pytest.approx(model.rmse_ms)
+    assert fit.verify_sd_ms(4) == pytest.approx(model.rmse_ms / np.sqrt(401), rel=1e-6)
+    assert fit.verify_sd_ms(20) == pytest.approx(model.rmse_ms / np.sqrt(26), rel=1e-6)
+    assert list(fit.verify_sd_ms(np.array([4.0, 12.0]))) == [fit.verify_sd_ms(4), fit.verify_sd_ms(12)]
+    assert CostParams(mem_ms=5.0).verify_sd_ms(12) == 0.0
+
+
+def test_calibration_gives_the_shape_and_live_steps_the_level():
+    """Calibrated on a quiet machine (60 ms up to 6 tokens, 72 from the 7th),
+    then run 20 % slower. Live steps only ever run 1, 3 and 5 tokens. Mixed
+    unscaled the curve would stay flat from 5 tokens (72 live) to 7 (72
+    calibrated); scaled, 7 tokens costs 20 % above 6, as the machine does."""
+    def quiet(tokens: int) -> float:
+        return 60.0 if tokens <= 6 else 72.0 + 2.0 * (tokens - 7)
+
+    rng = np.random.default_rng(3)
+    model = StepCostModel(prior=CostParams())
+    model.calibrate([(n, 150, 150 * n, quiet(n), 3) for n in range(1, 13)])
+    cold = model.refit()
+    # Three observations a shape: the smoothness pull rounds the step a little.
+    assert 1.12 < cold.verify_ms(7, 150, 1050) / cold.verify_ms(6, 150, 900) <= 1.2
+    for _ in range(300):
+        n = int(rng.choice([1, 3, 5]))
+        model.observe_verify(n, 100, 1.2 * quiet(n) * rng.normal(1.0, 0.02), 100 * n)
+    fit = model.refit()
+    assert model.calibration_scale == pytest.approx(1.2, rel=0.02)
+    assert fit.verify_ms(6, 150, 900) == pytest.approx(72.0, rel=0.04)
+    assert fit.verify_ms(7, 150, 1050) == pytest.approx(1.2 * 72.0, rel=0.04)
+    assert fit.verify_ms(12, 150, 1800) == pytest.approx(1.2 * quiet(12), rel=0.03)
+    with pytest.raises(ValueError, match="verify_ms > 0"):
+        model.calibrate([(1, 10, 10, 0.0, 1)])

@@ -104,6 +104,10 @@ async def test_worker_follows_a_real_controller(tiny):
                        >= worker.engine.stats.steps, timeout=20)
         ws = running.controller.status("ref-test").workers[0]
         assert ws.hello.drafter.version == "ngram-1-3" and ws.acceptance  # per-stratum acceptance from real steps
+        # The worker timed its verify at start-up and the controller's cost model started from it.
+        shapes = {(c.batch_size, c.batch_tokens) for c in ws.hello.calibration}
+        assert {(1, 1), (1, 7), (2, 2), (4, 32)} <= shapes
+        assert running.controller.workers["ref-test"].cost.calibration_samples == len(ws.hello.calibration)
         assert worker.agent.stats.rejections == 0
         assert worker.agent.stats.connected
     finally:

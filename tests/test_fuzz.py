@@ -452,7 +452,7 @@ def draw_message(data, model: WorkerModel, applied_ids: list[str],
         hello = worker_pb2.Hello()
         hello.CopyFrom(model.hello)
         change = data.draw(st.sampled_from(["same", "new_version", "other_worker", "max_depth", "kind",
-                                            "max_tree_nodes"]))
+                                            "max_tree_nodes", "calibration"]))
         if change == "same":  # same state; but a Hello says "(re)started": step ids may begin at 1 again
             model.last_applied = 0
             return worker_pb2.WorkerMessage(hello=hello), []
@@ -465,6 +465,19 @@ def draw_message(data, model: WorkerModel, applied_ids: list[str],
         if change == "other_worker":
             hello.worker_id = data.draw(st.text(max_size=8).map(lambda s: "other-" + s))
             return worker_pb2.WorkerMessage(hello=hello), [("REJECT_REASON_INVALID_FIELD", "hello.worker_id")]
+        if change == "calibration":  # valid samples, then one with a bad field
+            good = data.draw(st.integers(0, 2))
+            for k in range(good):
+                hello.calibration.add(batch_size=1 + k, batch_tokens=3 * (1 + k), kv_tokens=100, verify_ms=50.0,
+                                      repeats=3)
+            field, value = data.draw(st.sampled_from([
+                ("batch_size", 0), ("batch_size", (1 << 16) + 1), ("batch_tokens", 0), ("kv_tokens", -1),
+                ("verify_ms", float("nan")), ("verify_ms", float("inf")), ("verify_ms", 0.0), ("verify_ms", -5.0),
+                ("repeats", 0), ("repeats", 65)]))
+            sample = hello.calibration.add(batch_size=2, batch_tokens=4, kv_tokens=10, verify_ms=40.0, repeats=1)
+            setattr(sample, field, value)
+            return (worker_pb2.WorkerMessage(hello=hello),
+                    [("REJECT_REASON_INVALID_FIELD", f"hello.calibration[{good}].{field}")])
         if change == "max_depth":
             hello.drafter.max_depth = data.draw(st.sampled_from([0, 65, UINT64_MAX >> 32]))
         elif change == "kind":

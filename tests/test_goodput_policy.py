@@ -268,3 +268,66 @@ def test_a_padded_forward_and_a_drafter_that_rarely_offers_are_priced_as_they_ru
     assert decision(0.3, padded=False).depth >= 1
     assert decision(0.3, padded=True) == Decision.off()
     assert decision(1.0, padded=True).depth >= 1
+
+
+def test_an_untried_batch_size_must_win_by_the_cost_models_error():
+    """The reference worker's first minute at batch 8, padded: plain costs 75 ms
+    (measured often), 8 × 2 tokens is priced 100 ms by interpolation, never run;
+    α = 0.42 makes a depth-1 draft look 6 % better. One RMSE (12 ms) of caution
+    turns it down; once 16 tokens has been measured a few hundred times the same
+    price is trusted and speculation goes on. Without caution it goes on at once.
+    Probes draw the cost error: some of them try it anyway."""
+    knots = (1.0, 8.0, 16.0, 24.0)
+
+    def cost(evidence_at_16: float) -> CostParams:
+        return CostParams(mem_ms=0.0, compute_ms=75.0, compute_ms_per_token=3.125, compute_knots=knots,
+                          compute_rise_ms=(0.0, 0.0, 25.0, 50.0), draft_ms_per_level=0.0,
+                          compute_evidence=(500.0, 500.0, evidence_at_16, 0.0), verify_rmse_ms=12.0)
+
+    active = {f"req-{i}": 300 for i in range(8)}
+
+    def plan(evidence: float, caution: float, probes: float = 0.0, seed: int = 0):
+        obs = Observation(now=0.0, worker_id="w", drafter=DrafterLimits("medusa", "", 1, 1, 1, 0),
+                          batch_edges=DEFAULT_BATCH_EDGES, context_edges=DEFAULT_CONTEXT_EDGES,
+                          acceptance=FixedAcceptance(np.array([[0.42]])), cost=cost(evidence),
+                          load=LoadProfile(mean_batch_size=8, context_share=(1.0,) + (0.0,) * 8,
+                                           context_mean=(300.0,) + (0.0,) * 8),
+                          active_requests=active, padded_verify=True)
+        draft, _ = GoodputPolicy(GoodputConfig(probe_fraction=probes, cost_caution=caution)).decide((seed, 0), obs)
+        return draft
+
+    assert plan(0.0, caution=0.0).table.lookup(8, 300) == Decision.chain(1)
+    untried = plan(0.0, caution=1.0)
+    assert untried.table.lookup(8, 300) == Decision.off()
+    assert untried.expected_goodput_tok_s == pytest.approx(8 / 75 * 1000)
+    assert plan(400.0, caution=1.0).table.lookup(8, 300) == Decision.chain(1)
+    probed = [plan(0.0, caution=1.0, probes=1.0, seed=s).overrides for s in range(20)]
+    tried = sum(1 for o in probed if o)
+    assert 0 < tried < 20
+    assert all(d == Decision.chain(1) for o in probed for d in o.values())
+
+
+def test_caution_decides_whether_to_speculate_not_which_tree():
+    """Batch 1 on a CPU-like worker: a forward costs 60 ms up to 7 tokens, 1–5
+    measured all day, 6 never. The five-node tree (6 tokens) has the best
+    expected goodput and even one RMSE above its fitted time beats off: it is
+    drafted, caution does not pin the worker to four nodes. When the RMSE is
+    so large that the untried size could lose to off, the measured four-node
+    tree is drafted instead."""
+    q = np.array([[0.37, 0.13, 0.07, 0.06], [0.34, 0.09, 0.13, 0.11]])
+
+    def decision(rmse: float) -> Decision:
+        cost = CostParams(mem_ms=0.0, compute_ms=60.0, compute_ms_per_token=12.0, compute_knots=(1.0, 5.0, 6.0, 7.0),
+                          compute_rise_ms=(0.0, 0.0, 0.0, 0.0), draft_ms_per_level=0.0,
+                          compute_evidence=(1e4, 1e4, 0.0, 0.0), verify_rmse_ms=rmse)
+        obs = Observation(now=0.0, worker_id="w", drafter=DrafterLimits("eagle", "", 2, 4, 5, 0),
+                          batch_edges=DEFAULT_BATCH_EDGES, context_edges=DEFAULT_CONTEXT_EDGES,
+                          acceptance=FixedAcceptance(q), cost=cost,
+                          load=LoadProfile(mean_batch_size=1, context_share=(1.0,) + (0.0,) * 8,
+                                           context_mean=(300.0,) + (0.0,) * 8),
+                          padded_verify=True)
+        plan, _ = GoodputPolicy(GoodputConfig(probe_fraction=0.0)).decide((0, 0), obs)
+        return plan.table.lookup(1, 300)
+
+    assert decision(rmse=14.0).max_nodes == 5
+    assert decision(rmse=200.0).max_nodes == 4

@@ -58,7 +58,7 @@ def _worker(args: argparse.Namespace) -> int:
     opts = WorkerOptions(model=args.model, drafter=args.drafter, heads=args.heads, controller=args.controller,
                          listen=args.listen, worker_id=args.worker_id, max_batch=args.max_batch,
                          fallback_depth=args.fallback_depth, static=args.static, heads_poll_s=args.heads_poll,
-                         security=security, kernels=args.kernels)
+                         security=security, kernels=args.kernels, calibrate=not args.no_calibrate)
     try:
         return run_worker(opts)
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
@@ -126,6 +126,8 @@ def add_worker_commands(sub) -> None:
     wk.add_argument("--static", default="", help="without a controller: DEPTH[xWIDTH[:NODES]] (default: fallback)")
     wk.add_argument("--threads", type=int, default=1)
     wk.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
+    wk.add_argument("--no-calibrate", action="store_true",
+                    help="skip timing the verify step at start-up (the controller then learns costs from traffic only)")
     from worker.security import add_client_security_args
 
     add_client_security_args(wk)  # --tls, --tls-ca, --tls-cert/--tls-key, --token/--token-file

@@ -29,6 +29,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,6 +38,7 @@ import torch
 
 from policies.table import Decision
 from protos.speculation.v1 import worker_pb2
+from worker.engine.calibrate import VerifyTiming, calibrate_verify
 from worker.engine.engine import Engine, static_decide
 from worker.security import ClientSecurity
 
@@ -72,6 +74,9 @@ class WorkerOptions:
     security: ClientSecurity = field(default_factory=ClientSecurity)
     # "tuned": row-count-aware CPU kernels for the target's linears (worker.engine.kernels); "default": F.linear.
     kernels: str = "tuned"
+    # Time the verify step at a grid of batch shapes before serving and send it in the
+    # Hello (worker.engine.calibrate): the controller's cost model starts from it.
+    calibrate: bool = True
 
 
 def parse_static(text: str, default: Decision) -> Decision:
@@ -124,7 +129,8 @@ def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_
     raise ValueError(f"unknown drafter {kind!r}: expected none, ngram, medusa or eagle")
 
 
-def make_hello(worker_id: str, model_name: str, model, drafter, max_batch: int) -> worker_pb2.Hello:
+def make_hello(worker_id: str, model_name: str, model, drafter, max_batch: int,
+               calibration: Sequence[VerifyTiming] = ()) -> worker_pb2.Hello:
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -139,6 +145,9 @@ def make_hello(worker_id: str, model_name: str, model, drafter, max_batch: int) 
                                      params=float(params)),
         max_batch_size=max_batch,
         verify_layout=worker_pb2.VERIFY_LAYOUT_PADDED,  # Engine pads every row's block to the largest
+        calibration=[worker_pb2.VerifySample(batch_size=t.batch_size, batch_tokens=t.batch_tokens,
+                                             kv_tokens=t.kv_tokens, verify_ms=t.verify_ms, repeats=t.repeats)
+                     for t in calibration],
     )
     if drafter is not None and drafter.kind in DRAFTER_KINDS:
         lim = drafter.limits
@@ -161,7 +170,12 @@ class ReferenceWorker:
         self.opts = opts
         host, _, port = opts.listen.rpartition(":")
         self.worker_id = opts.worker_id or f"ref-{socket.gethostname()}-{port}"
-        self.hello = make_hello(self.worker_id, model_name, model, drafter, opts.max_batch)
+        self.calibration: list[VerifyTiming] = []
+        if opts.controller and opts.calibrate:
+            with torch.inference_mode():
+                self.calibration = calibrate_verify(model, opts.max_batch, opts.max_tree_nodes, progress=False)
+            log.info("calibrated verify at %d batch shapes", len(self.calibration))
+        self.hello = make_hello(self.worker_id, model_name, model, drafter, opts.max_batch, self.calibration)
         self.agent = None
         fallback = Decision.chain(opts.fallback_depth) if drafter is not None else Decision.off()
         if opts.controller:
@@ -263,7 +277,8 @@ class ReferenceWorker:
         for row in self.engine.rows:
             old.release(row.req.request_id)
         self.engine.drafter = new
-        self.hello = make_hello(self.worker_id, self.model_name, self.model, new, self.opts.max_batch)
+        self.hello = make_hello(self.worker_id, self.model_name, self.model, new, self.opts.max_batch,
+                                self.calibration)
         if self.agent is not None:
             self.agent.roll_drafter(self.hello.drafter)
         self.rollouts.append((time.time(), old.version, new.version))

@@ -66,7 +66,7 @@ class Hardware(_message.Message):
     def __init__(self, accelerator: _Optional[str] = ..., count: _Optional[int] = ..., memory_bandwidth_gb_s: _Optional[float] = ..., peak_tflops: _Optional[float] = ..., weight_bytes: _Optional[float] = ..., kv_bytes_per_token: _Optional[float] = ..., params: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "engine", "model", "hardware", "drafter", "max_batch_size", "current_plan_version", "verify_layout")
+    __slots__ = ("worker_id", "engine", "model", "hardware", "drafter", "max_batch_size", "current_plan_version", "verify_layout", "calibration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class Hello(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     CURRENT_PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERIFY_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     engine: str
     model: str
@@ -83,7 +84,22 @@ class Hello(_message.Message):
     max_batch_size: int
     current_plan_version: int
     verify_layout: VerifyLayout
-    def __init__(self, worker_id: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., drafter: _Optional[_Union[Drafter, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., current_plan_version: _Optional[int] = ..., verify_layout: _Optional[_Union[VerifyLayout, str]] = ...) -> None: ...
+    calibration: _containers.RepeatedCompositeFieldContainer[VerifySample]
+    def __init__(self, worker_id: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., drafter: _Optional[_Union[Drafter, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., current_plan_version: _Optional[int] = ..., verify_layout: _Optional[_Union[VerifyLayout, str]] = ..., calibration: _Optional[_Iterable[_Union[VerifySample, _Mapping]]] = ...) -> None: ...
+
+class VerifySample(_message.Message):
+    __slots__ = ("batch_size", "batch_tokens", "kv_tokens", "verify_ms", "repeats")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    batch_tokens: int
+    kv_tokens: int
+    verify_ms: float
+    repeats: int
+    def __init__(self, batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., verify_ms: _Optional[float] = ..., repeats: _Optional[int] = ...) -> None: ...
 
 class RequestStep(_message.Message):
     __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain", "requested_depth")
