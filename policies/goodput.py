@@ -381,18 +381,23 @@ class PrefixTable:
         if counts.sum() <= 0:
             return 0, Allocation((0,) * len(counts), 0.0, 0.0)
         offer_rates = None if offer is None else np.asarray(offer, dtype=np.float64)
-        args = (counts, np.asarray(contexts, dtype=np.float64), self.gained @ counts, self.depths, self.taken, cost,
-                offer_rates, padded)
-        goodput = prefix_goodput(*args)
-        judged = prefix_goodput(*args, caution=caution) if caution else goodput
+        contexts = np.asarray(contexts, dtype=np.float64)
+        gained = self.gained @ counts
+
+        def judged(rows=slice(None)) -> np.ndarray:  # cautious goodput of some prefixes
+            return prefix_goodput(counts, contexts, gained[rows], self.depths[rows], self.taken[rows], cost,
+                                  offer_rates, padded, caution)
+
+        goodput = prefix_goodput(counts, contexts, gained, self.depths, self.taken, cost, offer_rates, padded)
         # The expected goodput picks the tree; caution only decides whether to
         # speculate at all (a well-measured smaller tree may still beat off).
         best = int(np.argmax(goodput))
         off = float(goodput[0])  # the first prefix of the first cap: no nodes at all
         bar = off * (1.0 + min_gain)
-        if judged[best] < bar:
-            safest = int(np.argmax(judged))
-            best = safest if judged[safest] >= bar else 0
+        if best and (judged([best])[0] if caution else goodput[best]) < bar:
+            cautious = judged() if caution else goodput
+            safest = int(np.argmax(cautious))
+            best = safest if cautious[safest] >= bar else 0
         nodes = tuple(int(n) if c > 0 else 0 for n, c in zip(self.taken[best], counts))
         return int(self.cap_of[best]), Allocation(nodes, float(goodput[best]), off)
 
