@@ -213,8 +213,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         from worker.engine.calibrate import calibrate_verify
 
         if calibrate:  # what a worker does at start-up: its Hello carries the verify times of a grid of shapes
-            with torch.inference_mode():
-                calibration = calibrate_verify(model, max(batches), 24)
+            calibration = calibrate_verify(model, max(batches), max(built[d].limits.max_tree_nodes for d in learned))
         for d in learned:
             hello = make_hello(f"bench-{d}", model_name, model, built[d], max(batches), calibration)
             agents[d] = SpeculationAgent(hello, controller.address, AgentOptions(fallback=Decision.chain(2))).start()

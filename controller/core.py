@@ -135,18 +135,6 @@ CARRIED_COUNTERS = ("steps_total", "tokens_total", "step_ms_total", "plans_pushe
                     "nacks", "rejections")
 
 
-def calibrate(cost: StepCostModel, samples) -> None:
-    """Start a worker's cost model from the forwards it timed at start-up
-    (``Hello.calibration``), each weighing ``repeats`` observations: the first plans
-    then price the hardware's own cost curve instead of a roofline guess, and
-    the policy's cost caution knows which batch sizes have been measured.
-    They set the curve's shape; its level follows live steps
-    (``StepCostModel.calibrate``)."""
-    # Every token attends to its request's context: pairs = kv · tokens per row.
-    cost.calibrate((c.batch_tokens, c.kv_tokens, c.kv_tokens * c.batch_tokens / c.batch_size, c.verify_ms, c.repeats)
-                   for c in samples)
-
-
 class Controller:
     """Telemetry in, plans out. All methods take ``now`` from the injected clock."""
 
@@ -194,7 +182,10 @@ class Controller:
             )
             previous = state
             state = WorkerState(hello=hello, limits=limits, cost=StepCostModel(prior=prior))
-            calibrate(state.cost, hello.calibration)
+            # The forwards it timed at start-up shape the cost curve before any traffic
+            # (each weighs `repeats` observations; pairs: every token attends to its row's context).
+            state.cost.calibrate((c.batch_tokens, c.kv_tokens, c.kv_tokens * c.batch_tokens / c.batch_size,
+                                  c.verify_ms, c.repeats) for c in hello.calibration)
             state.context_counts = [0.0] * len(self.context_edges)
             state.context_sums = [0.0] * len(self.context_edges)
             state.policy_state = self.policy.initial_state(seed=_stable_seed(hello.worker_id))

@@ -132,6 +132,10 @@ class CostEstimate(Protocol):
                   attn_pairs: np.ndarray | float = 0.0) -> np.ndarray | float:
         ...
 
+    def verify_sd_ms(self, batch_tokens: np.ndarray | float) -> np.ndarray | float:
+        """Standard error of ``verify_ms`` at ``batch_tokens`` (0 where exact)."""
+        ...
+
     def draft_ms(
         self,
         max_depth: np.ndarray | float,

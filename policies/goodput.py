@@ -272,15 +272,9 @@ def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray,
     tokens with ``w`` the largest block any request brings — about
     ``max_g taken_g · P(some request of g gets a draft)``. ``caution``: the
     verify time of every batch that drafts is raised by this many of the cost
-    model's standard errors at its batch tokens (``cost.verify_sd_ms``; a
-    cost without one is exact); negative values are optimistic.
+    model's standard errors at its batch tokens (``cost.verify_sd_ms``);
+    negative values are optimistic.
     """
-    emitted, step_ms = _prefix_step(counts, contexts, gained, depths, taken, cost, offer, padded, caution)
-    return emitted / np.maximum(step_ms, 1e-9) * 1000.0
-
-
-def _prefix_step(counts, contexts, gained, depths, taken, cost, offer, padded, caution):
-    """(tokens emitted, step ms) of :func:`prefix_goodput`'s batches."""
     batch = float(counts.sum())
     offer = np.ones_like(counts) if offer is None else np.asarray(offer, dtype=np.float64)
     kv_per_group = counts * contexts
@@ -295,11 +289,11 @@ def _prefix_step(counts, contexts, gained, depths, taken, cost, offer, padded, c
         tokens = batch + drafted
         pairs = kv + taken @ (kv_per_group * offer)  # Σ (1 + nodes) · context: attention's query-key pairs
     step_ms = cost.verify_ms(tokens, kv, pairs) + cost.draft_ms(levels, drafted, batch, level_kv)
-    if caution and hasattr(cost, "verify_sd_ms"):
+    if caution:
         # Only batches that draft pay it: off is what the worker falls back to, and
         # whether a tree pays is what the model may have wrong.
         step_ms = step_ms + caution * cost.verify_sd_ms(tokens) * (np.asarray(tokens) > batch + 1e-9)
-    return batch + gained, step_ms
+    return (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0
 
 
 def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost, offer: np.ndarray | None = None,

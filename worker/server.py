@@ -172,8 +172,7 @@ class ReferenceWorker:
         self.worker_id = opts.worker_id or f"ref-{socket.gethostname()}-{port}"
         self.calibration: list[VerifyTiming] = []
         if opts.controller and opts.calibrate:
-            with torch.inference_mode():
-                self.calibration = calibrate_verify(model, opts.max_batch, opts.max_tree_nodes, progress=False)
+            self.calibration = calibrate_verify(model, opts.max_batch, opts.max_tree_nodes, progress=False)
             log.info("calibrated verify at %d batch shapes", len(self.calibration))
         self.hello = make_hello(self.worker_id, model_name, model, drafter, opts.max_batch, self.calibration)
         self.agent = None

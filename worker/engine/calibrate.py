@@ -79,6 +79,7 @@ def calibration_grid(max_batch: int, max_nodes: int) -> list[tuple[int, int]]:
     return grid
 
 
+@torch.inference_mode()
 def calibrate_verify(model, max_batch: int, max_nodes: int, context_len: int = 128, repeats: int = 5,
                      seed: int = 0, progress: bool = True) -> list[VerifyTiming]:
     """Time ``Engine.step``'s verify at every shape of :func:`calibration_grid`:
