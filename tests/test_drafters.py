@@ -200,3 +200,34 @@ def test_medusa_head_is_residual_block_then_projection():
     for k in range(2):
         want = (h + torch.nn.functional.silu(h @ m.weight[k].T + m.bias[k])) @ m.proj[k].T
         torch.testing.assert_close(out[k], want)
+
+
+def test_eagle_layer_equals_the_targets_decoder_layer():
+    """With the target's weights copied in, the head's decoder layer computes what
+    transformers' Llama layer does: RoPE at the given positions, grouped-query
+    attention (4 query heads on 2 KV heads here), causal over a fresh block and
+    over cached keys plus a new block."""
+    from worker.heads.modules import init_layer_from_target
+
+    model, _ = tiny_llama(seed=3)
+    head = EagleHead(**EagleHead.config_from_target(model.config)).eval()
+    target = model.model.layers[1]
+    init_layer_from_target(head, target)
+    assert head.layer.heads == 2 * head.layer.kv_heads
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, model.config.hidden_size)  # [batch, tokens, hidden]
+    positions = torch.arange(9)[None].expand(2, 9)
+    with torch.no_grad():
+        want = target(x, position_embeddings=model.model.rotary_emb(x, positions), position_ids=positions)
+        want = want[0] if isinstance(want, tuple) else want
+        full, k, v = head.layer(x, positions)
+        torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5)
+        # the last 3 tokens again, attending to the first 6 through their cached keys
+        tail, _, _ = head.layer(x[:, 6:], positions[:, 6:], k[:, :, :6], v[:, :, :6], _causal_tail_mask(6, 3))
+    torch.testing.assert_close(tail, want[:, 6:], rtol=1e-5, atol=1e-5)
+
+
+def _causal_tail_mask(past: int, new: int) -> torch.Tensor:
+    """Bool mask ``[1, 1, new, past + new]``: every cached key, then causal over the new block."""
+    causal = torch.ones(new, new, dtype=torch.bool).tril()
+    return torch.cat([torch.ones(new, past, dtype=torch.bool), causal], 1)[None, None]

@@ -64,6 +64,8 @@ def _pad_stack(tensors: list[torch.Tensor | None], shape_tail: tuple[int, ...], 
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad ``[H, S_i, D]`` tensors to ``[B, H, length, D]`` + bool valid ``[B, length]``."""
     h, d = shape_tail
+    if all(t is not None and t.shape[1] == length for t in tensors):  # nothing to pad (always so at batch 1)
+        return torch.stack(tensors), torch.ones(len(tensors), length, dtype=torch.bool)
     out = torch.zeros(len(tensors), h, length, d, dtype=dtype)
     valid = torch.zeros(len(tensors), length, dtype=torch.bool)
     for i, t in enumerate(tensors):
@@ -245,8 +247,9 @@ class EagleDrafter:
         return out
 
     def _topk(self, feats: torch.Tensor, width: int) -> tuple[list[list[int]], list[list[float]]]:
-        probs = torch.softmax(self.layers["lm_head"](feats), -1)  # [rows, draft vocab]
-        p, idx = probs.topk(width, -1)
+        logits = self.layers["lm_head"](feats)  # [rows, draft vocab]
+        top, idx = logits.topk(width, -1)  # [rows, width]
+        p = (top - logits.logsumexp(-1, keepdim=True)).exp()  # softmax at the top entries only
         return self.vocab_map[idx].tolist(), p.tolist()
 
     def _add_children(self, nodes, parents, feats, decs, scores, level) -> None:

@@ -17,7 +17,9 @@ class DistillData:
 
     prompts: str = "all"
     max_new_tokens: int = 128
-    samples: int = 1
+    # 2 rather than 1: EAGLE's held-out greedy chain tau(d2) 0.58 -> 0.63 on SmolLM2-135M (issue #4), ~9 min more
+    # of generation on the tuned kernels; Medusa unchanged
+    samples: int = 2
     temperature: float = 0.8
 
 

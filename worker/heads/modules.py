@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DraftLayer", "EagleHead", "MedusaHeads", "RMSNorm", "rope"]
+__all__ = ["DraftLayer", "EagleHead", "MedusaHeads", "RMSNorm", "rotary_angles", "rotate"]
 
 
 class RMSNorm(nn.Module):
@@ -38,15 +38,17 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(var + self.eps))
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half form) of ``x`` ``[B, H, T, D]`` at ``positions`` ``[B, T]``."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))  # [D/2]
-    ang = positions.to(torch.float32)[..., None] * inv  # [B, T, D/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(x.dtype)  # [B, 1, T, D]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None].to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+def rotary_angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """``cos``, ``sin`` ``[B, 1, T, D/2]`` of the rotary angles at ``positions`` ``[B, T]``."""
+    ang = positions.to(torch.float32)[:, None, :, None] * inv_freq  # [B, 1, T, D/2]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the halves ``(x1, x2)`` of ``x`` ``[B, H, T, D]`` by the angles:
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)`` (RoPE, rotate-half form)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class DraftLayer(nn.Module):
@@ -71,6 +73,8 @@ class DraftLayer(nn.Module):
         self.gate = nn.Linear(hidden, intermediate, bias=False)
         self.up = nn.Linear(hidden, intermediate, bias=False)
         self.down = nn.Linear(intermediate, hidden, bias=False)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [D/2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # not a weight: not saved
 
     def forward(self, x, positions, past_k=None, past_v=None, mask=None):
         b, t, _ = x.shape
@@ -78,22 +82,19 @@ class DraftLayer(nn.Module):
         q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = rope(q, positions, self.theta)
-        k = rope(k, positions, self.theta)
+        cos, sin = rotary_angles(positions, self.inv_freq, q.dtype)  # shared by queries and keys
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         vals = v if past_v is None else torch.cat([past_v, v], dim=2)
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            keys_r = keys.repeat_interleave(rep, dim=1)
-            vals_r = vals.repeat_interleave(rep, dim=1)
-        else:
-            keys_r, vals_r = keys, vals
+        # grouped-query attention without copying each KV head for its query heads
+        gqa = self.heads != self.kv_heads
         if mask is None:
-            attn = F.scaled_dot_product_attention(q, keys_r, vals_r, is_causal=past_k is None)
+            attn = F.scaled_dot_product_attention(q, keys, vals, is_causal=past_k is None, enable_gqa=gqa)
         else:
-            attn = F.scaled_dot_product_attention(q, keys_r, vals_r, attn_mask=mask)
+            attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=gqa)
         x = x + self.o(attn.transpose(1, 2).reshape(b, t, -1))
-        x = x + self.down(F.silu(self.gate(self.ln2(x))) * self.up(self.ln2(x)))
+        h = self.ln2(x)
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
         return x, k, v
 
 
