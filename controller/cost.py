@@ -375,6 +375,7 @@ class StepCostModel:
         self._pending_draft: list[tuple[float, float, float, float, float]] = []
         # Start-up calibration, kept apart from live cells: [samples, (N, KV, pairs, ms, weight)].
         self._calibration = np.zeros((0, 5))
+        self._calibration_cells = np.zeros(0, dtype=np.int64)
         self.calibration_scale = 1.0
         self.samples = 0
         self.params = prior
@@ -395,23 +396,24 @@ class StepCostModel:
         the first calibrated one: the reference worker's controller saw 7
         and 8 tokens as free at batch 1 and planned 8-token trees."""
         rows = np.asarray(list(samples), dtype=float).reshape(-1, 5)[:256]
-        if rows.size and not (np.isfinite(rows).all() and (rows[:, 3] > 0).all() and (rows[:, 4] > 0).all()):
-            raise ValueError("calibration samples need finite values, verify_ms > 0 and weight > 0")
+        bad = ~np.isfinite(rows).all(axis=1) | (rows[:, 3] <= 0) | (rows[:, 4] <= 0)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"calibration sample {i}: {tuple(rows[i].tolist())} needs finite values, "
+                             f"verify_ms > 0 and weight > 0")
         self._calibration = rows
+        self._calibration_cells = _cell_index(rows[:, 0], rows[:, 1])  # fixed with the samples
 
     @property
     def calibration_samples(self) -> int:
         return len(self._calibration)
-
-    def _calibration_cells(self) -> np.ndarray:
-        return _cell_index(self._calibration[:, 0], self._calibration[:, 1])
 
     def _scaled_calibration(self) -> np.ndarray:
         """Calibration rows with ms scaled to the live level (see :meth:`calibrate`)."""
         cal = self._calibration.copy()
         # Compared per batch-token segment (all context lengths together): a start-up
         # grid and live traffic rarely share a KV cell, and the scale is one number.
-        segment = self._calibration_cells() // KV_BITS
+        segment = self._calibration_cells // KV_BITS
         seg_w = self._w.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1)
         seg_t = self._t.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1)
         live_w = seg_w[segment]
@@ -490,7 +492,7 @@ class StepCostModel:
                 self.rmse_ms = float(math.sqrt(max(mse, 0.0)))
             if params.compute_knots:
                 evidence = self._w.copy()
-                np.add.at(evidence, self._calibration_cells(), self._calibration[:, 4])
+                np.add.at(evidence, self._calibration_cells, self._calibration[:, 4])
                 per_segment = evidence.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1)
                 params = replace(params, compute_evidence=tuple(float(e) for e in per_segment),
                                  verify_rmse_ms=self.rmse_ms)

@@ -142,5 +142,7 @@ def test_calibration_gives_the_shape_and_live_steps_the_level():
     assert fit.verify_ms(6, 150, 900) == pytest.approx(72.0, rel=0.04)
     assert fit.verify_ms(7, 150, 1050) == pytest.approx(1.2 * 72.0, rel=0.04)
     assert fit.verify_ms(12, 150, 1800) == pytest.approx(1.2 * quiet(12), rel=0.03)
-    with pytest.raises(ValueError, match="verify_ms > 0"):
-        model.calibrate([(1, 10, 10, 0.0, 1)])
+    with pytest.raises(ValueError, match=r"sample 1: \(1.0, 10.0, 10.0, 0.0, 1.0\) needs .*verify_ms > 0"):
+        model.calibrate([(2, 10, 20, 60.0, 1), (1, 10, 10, 0.0, 1)])
+    assert model.calibration_samples == 12  # the refused samples replaced nothing
+    assert model.refit().verify_ms(7, 150, 1050) == pytest.approx(fit.verify_ms(7, 150, 1050))

@@ -5,9 +5,10 @@ A controller fitting step costs from traffic alone knows only the shapes
 the traffic has run. On the reference worker's CPU a forward costs the same
 for 1–6 tokens and ~20 % more from the 7th; a controller that has seen 5 and
 7 tokens interpolates 6 half-way up the step and never plans the 5-node
-tree that fits under it. The worker measures every shape of a small grid
-once (a few seconds) and sends the medians in its ``Hello.calibration``;
-the controller's cost model starts from them.
+tree that fits under it. The worker times every shape of a small grid
+(a warm-up round and five timed rounds: ~20–35 s for SmolLM2 on this CPU)
+and sends the medians in its ``Hello.calibration``; the controller's cost
+model starts from them.
 
 What is timed is the engine's real verify (``Engine.step``'s forward, LM
 head, acceptance and KV compaction — what ``StepTelemetry.verify_ms``
@@ -59,6 +60,19 @@ class _ChainDrafter:
         pass
 
 
+class _VerifyTimes:
+    """Engine observer keeping ``(verify_ms, context tokens)`` of the steps since the last ``clear``."""
+
+    def __init__(self) -> None:
+        self.times: list[tuple[float, int]] = []
+
+    def observe(self, step) -> None:
+        self.times.append((step.verify_ms, sum(r.context_len for r in step.requests)))
+
+    def finish(self, summary) -> None:
+        pass
+
+
 def calibration_grid(max_batch: int, max_nodes: int) -> list[tuple[int, int]]:
     """``(batch size, draft nodes per row)`` shapes to time: at batch 1 every
     node count up to 12 and a few beyond (where trees live and CPU steps
@@ -99,16 +113,8 @@ def calibrate_verify(model, max_batch: int, max_nodes: int, context_len: int = 1
     for batch in sorted({b for b, _ in grid}):
         shapes = [n for b, n in grid if b == batch]
         current = [Decision.off()]
-        times: list[tuple[float, int]] = []
-
-        class _Timer:
-            def observe(self, step) -> None:
-                times.append((step.verify_ms, sum(r.context_len for r in step.requests)))
-
-            def finish(self, summary) -> None:
-                pass
-
-        engine = Engine(model, _ChainDrafter(max(shapes)), lambda rid, ctx, b: current[0], observer=_Timer(),
+        timer = _VerifyTimes()
+        engine = Engine(model, _ChainDrafter(max(shapes)), lambda rid, ctx, b: current[0], observer=timer,
                         max_batch=batch, eos_token_id=-1)
         steps = len(shapes) * (repeats + 1)
         # Low ids are the tokenizer's specials; any other ids give the same cost.
@@ -122,10 +128,10 @@ def calibrate_verify(model, max_batch: int, max_nodes: int, context_len: int = 1
         for round_ in range(repeats + 1):
             for nodes in shapes:
                 current[0] = Decision(nodes, 1, nodes) if nodes else Decision.off()
-                times.clear()
+                timer.times.clear()
                 engine.step()
                 if round_:
-                    by_shape[nodes] += times
+                    by_shape[nodes] += timer.times
         for nodes in shapes:
             timed = by_shape[nodes]
             out.append(VerifyTiming(batch, batch * (1 + nodes), int(statistics.median(kv for _, kv in timed)),

@@ -63,7 +63,7 @@ class DraftLayer(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  theta: float = 10000.0, eps: float = 1e-5) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.theta = heads, kv_heads, head_dim, theta
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.ln1 = RMSNorm(hidden, eps)
         self.q = nn.Linear(hidden, heads * head_dim, bias=False)
         self.k = nn.Linear(hidden, kv_heads * head_dim, bias=False)
