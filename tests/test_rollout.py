@@ -30,8 +30,10 @@ async def server():
 
 
 def effective_samples(server, version: str) -> float:
-    [worker] = server.controller.status("w-roll").workers
-    return sum(sum(s.effective_samples) for s in worker.acceptance if s.drafter_version == version)
+    """Samples of ``version`` the controller holds for w-roll (0 until its Hello is in:
+    the agent counts as connected once the stream is open, a moment before that)."""
+    workers = server.controller.status("w-roll").workers
+    return sum(sum(s.effective_samples) for w in workers for s in w.acceptance if s.drafter_version == version)
 
 
 async def test_roll_drafter_moves_telemetry_to_the_new_version_on_the_same_stream(server):
