@@ -161,3 +161,15 @@ def test_sampled_answers_join_their_prompts_split(tiny_ds):
     with pytest.raises(ValueError, match="temperature > 0, got samples=1, temperature=0"):
         build_distill_set(model, None, prompts, "tiny", cache=False, show_progress=False, encode=encode, samples=1,
                           temperature=0)
+
+
+def test_first_use_data_is_chosen_per_kind(tmp_path, monkeypatch):
+    from worker.heads import DEFAULT_DATA, DistillData, default_heads_dir, ensure_heads
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    # EAGLE keeps gaining from more sampled answers, Medusa does not: each trains on its own data, in its own directory
+    assert DEFAULT_DATA["eagle"].samples > DEFAULT_DATA["medusa"].samples
+    assert default_heads_dir("m", DEFAULT_DATA["eagle"]) != default_heads_dir("m", DEFAULT_DATA["medusa"])
+    assert default_heads_dir("m", DEFAULT_DATA["medusa"]) == default_heads_dir("m", DistillData(samples=2))
+    with pytest.raises(ValueError, match="unknown drafter 'lookahead'"):
+        ensure_heads("lookahead", "m")

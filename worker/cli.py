@@ -80,7 +80,7 @@ KERNELS_HELP = ("linear-layer kernels on the CPU: 'tuned' (row-count-aware, time
 
 def add_worker_commands(sub) -> None:
     """Add ``train-heads``, ``worker`` and ``load`` to a subparsers object."""
-    from worker.heads.config import DEFAULT_DATA, TrainConfig
+    from worker.heads.config import DEFAULT_DATA, GEN_BATCH, DistillData, TrainConfig
 
     train_defaults = TrainConfig()
     th = sub.add_parser("train-heads", help="train Medusa or EAGLE draft heads by self-distillation")
@@ -88,8 +88,8 @@ def add_worker_commands(sub) -> None:
     th.add_argument("--model", default="smollm2-135m", help="model name, .gguf file or checkpoint dir")
     th.add_argument("--prompts", default="all", help="prompt set (chat, code, math, summarise, all) or a JSONL file")
     th.add_argument("--out", required=True, help="heads directory (holds <drafter>.safetensors + .json)")
-    th.add_argument("--max-new-tokens", type=int, default=DEFAULT_DATA.max_new_tokens,
-                    help=f"length of the target's answers (default {DEFAULT_DATA.max_new_tokens})")
+    th.add_argument("--max-new-tokens", type=int, default=DistillData.max_new_tokens,
+                    help=f"length of the target's answers (default {DistillData.max_new_tokens})")
     th.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
     th.add_argument("--epochs", type=int, default=train_defaults.epochs)
     th.add_argument("--lr", type=float, default=train_defaults.lr)
@@ -99,11 +99,13 @@ def add_worker_commands(sub) -> None:
     th.add_argument("--unroll", type=int, default=train_defaults.unroll,
                     help="eagle: training passes on its own predictions")
     th.add_argument("--held-out", type=float, default=0.1, help="fraction of prompts held out for the report")
-    th.add_argument("--gen-batch", type=int, default=8, help="batch size while the target answers")
-    th.add_argument("--samples", type=int, default=DEFAULT_DATA.samples,
-                    help=f"sampled answers per training prompt on top of the greedy one (default {DEFAULT_DATA.samples})")
-    th.add_argument("--sample-temperature", type=float, default=DEFAULT_DATA.temperature,
-                    help=f"temperature of the sampled answers (default {DEFAULT_DATA.temperature})")
+    th.add_argument("--gen-batch", type=int, default=GEN_BATCH,
+                    help=f"batch size while the target answers (default {GEN_BATCH})")
+    per_kind = ", ".join(f"{d.samples} for {kind}" for kind, d in DEFAULT_DATA.items())
+    th.add_argument("--samples", type=int, default=None,
+                    help=f"sampled answers per training prompt on top of the greedy one (default {per_kind})")
+    th.add_argument("--sample-temperature", type=float, default=DistillData.temperature,
+                    help=f"temperature of the sampled answers (default {DistillData.temperature})")
     th.add_argument("--extra-text", action="append", default=[], metavar="GLOB",
                     help="also learn from these text files (target features by prefill, no generation; repeatable)")
     th.add_argument("--extra-tokens", type=int, default=50_000, help="cap on extra-text tokens (default 50000)")

@@ -6,7 +6,7 @@ High-level entry points:
   ``specctl train-heads`` runs (load the target, build or reuse the
   distillation set, train, report, save);
 - ``ensure_heads(kind, model_name)``: the heads a demo or benchmark uses,
-  trained on first use with ``DEFAULT_DATA`` and ``TrainConfig``'s defaults
+  trained on first use with ``DEFAULT_DATA[kind]`` and ``TrainConfig``'s defaults
   and cached under ``$XDG_CACHE_HOME/specctl/heads/`` (the directory name
   hashes both, so changing a default trains new heads).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 # Torch-free at import (the CLI reads the defaults); heavy modules load in the functions.
-from worker.heads.config import DEFAULT_DATA, KINDS, DistillData, TrainConfig
+from worker.heads.config import DEFAULT_DATA, GEN_BATCH, KINDS, DistillData, TrainConfig
 
 if TYPE_CHECKING:
     from worker.heads.store import HeadsBundle
@@ -29,8 +29,8 @@ __all__ = ["DEFAULT_DATA", "KINDS", "DistillData", "TrainConfig", "default_heads
            "train_heads"]
 
 
-def default_heads_dir(model_name: str, data: DistillData = DEFAULT_DATA) -> Path:
-    """Cache directory of the heads ``ensure_heads`` trains for ``model_name``."""
+def default_heads_dir(model_name: str, data: DistillData) -> Path:
+    """Cache directory of the heads ``ensure_heads`` trains for ``model_name`` on ``data``."""
     from worker.models import cache_root
 
     train_defaults = {k: v for k, v in asdict(TrainConfig()).items() if k != "kind"}
@@ -63,20 +63,21 @@ def train_heads(
     prompts: str,
     out_dir: str | Path,
     config: TrainConfig | None = None,
-    max_new_tokens: int = DEFAULT_DATA.max_new_tokens,
-    gen_batch: int = 8,
+    max_new_tokens: int = DistillData.max_new_tokens,
+    gen_batch: int = GEN_BATCH,
     limit: int = 0,
     extra_text: list[str] | None = None,
     extra_tokens: int = 50_000,
-    samples: int = DEFAULT_DATA.samples,
-    temperature: float = DEFAULT_DATA.temperature,
+    samples: int | None = None,
+    temperature: float = DistillData.temperature,
     tune_kernels: bool = True,
     log=print,
 ) -> "HeadsBundle":
     """Load the target, distil, train ``kind`` heads, save them in ``out_dir``.
 
     ``samples``: sampled answers (at ``temperature``) per training prompt on
-    top of the greedy one; held-out prompts get none. ``tune_kernels``: the
+    top of the greedy one (default: ``DEFAULT_DATA[kind].samples``); held-out
+    prompts get none. ``tune_kernels``: the
     target answers on row-count-aware CPU kernels (``worker.engine.kernels``;
     the heads learn nothing different, the answers come faster).
     """
@@ -87,6 +88,8 @@ def train_heads(
 
     if kind not in KINDS:
         raise ValueError(f"unknown drafter {kind!r} for train-heads: expected one of {KINDS}")
+    if samples is None:
+        samples = DEFAULT_DATA[kind].samples
     config = config or TrainConfig(kind=kind)
     config.kind = kind
     lm = load_model(model_name, tune_kernels=tune_kernels, log=log)
@@ -118,10 +121,14 @@ def train_heads(
     return bundle
 
 
-def ensure_heads(kind: str, model_name: str = "smollm2-135m", data: DistillData = DEFAULT_DATA, log=print) -> Path:
-    """A heads directory holding ``kind`` heads for ``model_name``; trains on first use."""
+def ensure_heads(kind: str, model_name: str = "smollm2-135m", data: DistillData | None = None, log=print) -> Path:
+    """A heads directory holding ``kind`` heads for ``model_name``, trained on
+    ``data`` (default ``DEFAULT_DATA[kind]``) on first use."""
     from worker.heads.store import HeadsBundle
 
+    if kind not in KINDS:
+        raise ValueError(f"unknown drafter {kind!r}: expected one of {KINDS}")
+    data = data or DEFAULT_DATA[kind]
     out = default_heads_dir(model_name, data)
     if not HeadsBundle.exists(out, kind):
         log(f"no cached {kind} heads for {model_name}: training them now (once; cached in {out})")
