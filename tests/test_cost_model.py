@@ -146,3 +146,26 @@ def test_calibration_gives_the_shape_and_live_steps_the_level():
         model.calibrate([(2, 10, 20, 60.0, 1), (1, 10, 10, 0.0, 1)])
     assert model.calibration_samples == 12  # the refused samples replaced nothing
     assert model.refit().verify_ms(7, 150, 1050) == pytest.approx(fit.verify_ms(7, 150, 1050))
+
+
+def test_a_cpu_where_every_token_costs_is_not_fitted_as_one_flat_memory_plane():
+    """The EAGLE worker's verify cells of a real benchmark run on an Intel Xeon (live cells and the scaled
+    start-up calibration, as ``StepCostModel.refit`` hands them over; tests/data). There a plain step costs
+    ~77 ms at batch 1 and each further token ~+5 ms. Alternating assignment started only from "all memory",
+    the median split and the prior settled on a flat 102.5 ms memory plane for 1-8 tokens, so trees looked
+    free; the start with every point on the compute plane finds the lower-error fit, which follows the
+    live medians (77 / 88 / 109 / 126 ms for 1 / 3 / 5 / 8 tokens)."""
+    import json
+    from pathlib import Path
+
+    from controller.cost import fit_max_planes
+
+    cells = json.loads((Path(__file__).parent / "data" / "eagle_xeon_verify_cells.json").read_text())
+    arrays = {k: np.array(cells[k], dtype=float) for k in
+              ("batch_tokens", "kv_tokens", "verify_ms", "weights", "attn_pairs")}
+    params = fit_max_planes(arrays["batch_tokens"], arrays["kv_tokens"], arrays["verify_ms"], arrays["weights"],
+                            CostParams(**cells["prior"]), cells["prior_weight"], attn_pairs=arrays["attn_pairs"])
+    price = {t: float(params.verify_ms(t, 200.0, t * 200.0)) for t in (1, 3, 5, 8)}
+    for tokens, live_median in {1: 77.1, 3: 88.2, 5: 109.0, 8: 126.3}.items():
+        assert price[tokens] == pytest.approx(live_median, rel=0.12), price
+    assert price[5] - price[1] > 20.0  # four more tokens are not free here
