@@ -22,8 +22,8 @@ back above the compute plane and speculation is cheap again.
 ``COMPUTE_KNOTS`` (every count up to 8, then four per octave): a roofline's
 compute plane is the special case of one slope, and real kernels are not
 that. A GEMM runs in tiles of rows, so its time climbs in steps (wave and
-tile quantisation on a GPU; on the reference worker's CPU a forward over
-1–6 tokens costs the same and the 7th adds 40 %). One slope fitted through
+tile quantisation on a GPU; on the AMD EPYC the reference worker first ran
+on, a forward over 1–6 tokens cost the same and the 7th added 40 %). One slope fitted through
 such steps prices some tree sizes far too cheap and others far too dear.
 Each segment's slope is fitted (non-negative: more tokens never cost
 less), pulled toward its neighbours so that sparse data gives a smooth

@@ -2,8 +2,9 @@
 shapes it may be asked to run, before it serves anything.
 
 A controller fitting step costs from traffic alone knows only the shapes
-the traffic has run. On the reference worker's CPU a forward costs the same
-for 1–6 tokens and ~20 % more from the 7th; a controller that has seen 5 and
+the traffic has run. On the AMD EPYC the reference worker first ran on, a
+forward cost the same for 1–6 tokens and ~20 % more from the 7th (on an
+Intel Xeon since, each token adds ~7–10 %); a controller that has seen 5 and
 7 tokens interpolates 6 half-way up the step and never plans the 5-node
 tree that fits under it. The worker times every shape of a small grid
 (a warm-up round and five timed rounds: ~20–35 s for SmolLM2 on this CPU)

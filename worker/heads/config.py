@@ -10,8 +10,8 @@ __all__ = ["DEFAULT_DATA", "GEN_BATCH", "KINDS", "DistillData", "TrainConfig"]
 KINDS = ("medusa", "eagle")
 
 # Rows the target answers at once while it builds distillation data. On one CPU thread here the tuned kernels
-# stream each weight once for many rows: sampled answers ran at 45 tok/cpu-s at batch 8 and 101 at batch 48
-# (measured side by side, issue #4). The data does not depend on it beyond float rounding and the sampler's draws.
+# stream each weight once for many rows: 48 prompts sampled at batch 8 ran at 47-51 tok/cpu-s, at batch 48 at
+# 109-112 (two interleaved rounds on SmolLM2, issue #4). The data does not depend on it beyond float rounding and the sampler's draws.
 GEN_BATCH = 48
 
 
@@ -29,7 +29,7 @@ class DistillData:
 # The data first use trains each kind on (``ensure_heads``). EAGLE keeps gaining from more sampled answers
 # to the same prompts, Medusa does not (SmolLM2-135M, 31 held-out prompts, issue #4): EAGLE's held-out greedy
 # chain tau(d2) / tau(d4) 0.58 / 0.65 with 1 sampled answer, 0.63 / 0.74 with 2, 0.70 / 0.86 with 5 (each
-# further answer ~4 min of generation, training time grows with the data); Medusa 0.47 / 0.56 with 1 and 2.
+# further answer ~7 min of generation beside another process, ~5 min more of EAGLE training); Medusa 0.47 / 0.56 with 1 and 2.
 DEFAULT_DATA = {"medusa": DistillData(samples=2), "eagle": DistillData(samples=5)}
 
 
