@@ -299,7 +299,7 @@ def _lockstep(model, engine_cls, specs, hf, ids, reference, batch, max_new_token
     prompt index)`` calls of transformers' prompt lookup, spread evenly over
     the rounds (a call is one whole prompt: it cannot be stepped).
     """
-    from tqdm.auto import tqdm
+    from worker.progress import ProgressBar
 
     engines, requests = {}, {}
     for i, (name, pol, drafter, decide, observer, *own_model) in enumerate(specs):
@@ -314,8 +314,7 @@ def _lockstep(model, engine_cls, specs, hf, ids, reference, batch, max_new_token
     expected_rounds = max(1, len(ids) * max_new_tokens // batch)
     hf_every = max(1, expected_rounds // max(len(hf), 1))
     hf = list(hf)
-    bar = tqdm(total=expected_rounds, desc=f"bench engine, batch {batch} ({len(specs)} engines in lockstep)",
-               unit="round")
+    bar = ProgressBar(expected_rounds, f"bench engine, batch {batch} ({len(specs)} engines in lockstep)")
     rounds = 0
     while True:
         live = [key for key, e in engines.items() if e.has_work()]

@@ -9,7 +9,7 @@ from worker.heads import format_report
 from worker.heads.data import DistillSet, build_distill_set, draft_vocab
 from worker.heads.store import HeadsBundle
 from worker.heads.train import TrainConfig, _unroll_mask, evaluate, train
-from worker.models import tiny_llama
+from worker.models import ModelUnavailableError, tiny_llama
 from worker.prompts import Prompt, load_prompts, prompt_sets
 
 import pytest
@@ -161,6 +161,37 @@ def test_sampled_answers_join_their_prompts_split(tiny_ds):
     with pytest.raises(ValueError, match="temperature > 0, got samples=1, temperature=0"):
         build_distill_set(model, None, prompts, "tiny", cache=False, show_progress=False, encode=encode, samples=1,
                           temperature=0)
+
+
+@pytest.mark.model
+def test_parts_answered_in_processes_equal_parts_answered_in_one(tiny_ds, tmp_path, monkeypatch):
+    import worker.engine.engine as engine_module
+    from worker.heads.data import ModelLoader, distill_cache_dir
+
+    model, vocab, prompts, ds = tiny_ds
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model.save_pretrained(tmp_path / "tiny")  # the children load their own copy of the target from here
+    encode = lambda text: [int(x) for x in text.split()]  # noqa: E731
+    some = prompts[:12]
+    args = dict(max_new_tokens=20, batch=8, show_progress=False, encode=encode, samples=2, temperature=1.0)
+    alone = build_distill_set(model, None, some, "tiny", cache=False, **args)
+
+    class NoEngineHere:  # the parent only reads the parts the children cached
+        def __init__(self, *a, **k):
+            raise AssertionError("the parent process generated a part")
+
+    monkeypatch.setattr(engine_module, "Engine", NoEngineHere)
+    apart = build_distill_set(model, None, some, "tiny", jobs=2, loader=ModelLoader(str(tmp_path / "tiny")), **args)
+    assert len(list(distill_cache_dir().glob("tiny-*.pt"))) == 3  # greedy + two sampled parts
+    assert apart.ids == alone.ids and apart.sequences == alone.sequences and apart.data_hash == alone.data_hash
+    for a, b in zip(apart.features, alone.features):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)  # stored fp16
+    with pytest.raises(ValueError, match="jobs must be >= 1, got jobs=0"):
+        build_distill_set(model, None, some, "tiny", jobs=0, **args)
+    # a child that cannot load the target fails the build with the loader's error (no endless respawning)
+    with pytest.raises(ModelUnavailableError, match="nowhere"):
+        build_distill_set(model, None, some, "tiny", jobs=2, loader=ModelLoader(str(tmp_path / "nowhere")),
+                          **{**args, "samples": 4})
 
 
 def test_first_use_data_is_chosen_per_kind(tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ def _train_heads(args: argparse.Namespace) -> int:
         train_heads(args.drafter, args.model, args.prompts, args.out, config=cfg, max_new_tokens=args.max_new_tokens,
                     gen_batch=args.gen_batch, limit=args.limit, extra_text=extra, extra_tokens=args.extra_tokens,
                     samples=args.samples, temperature=args.sample_temperature,
-                    tune_kernels=args.kernels == "tuned")
+                    tune_kernels=args.kernels == "tuned", jobs=args.jobs)
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
         print(f"specctl train-heads: {err}", file=sys.stderr)
         return 2
@@ -111,6 +111,9 @@ def add_worker_commands(sub) -> None:
     th.add_argument("--extra-tokens", type=int, default=50_000, help="cap on extra-text tokens (default 50000)")
     th.add_argument("--seed", type=int, default=0)
     th.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = torch's default)")
+    th.add_argument("--jobs", type=int, default=0,
+                    help="processes that generate distillation parts at once, --threads each (default 0: one per "
+                         "--threads cores)")
     th.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
     th.set_defaults(func=_train_heads)
 

@@ -100,9 +100,8 @@ def calibrate_verify(model, max_batch: int, max_nodes: int, context_len: int = 1
     """Time ``Engine.step``'s verify at every shape of :func:`calibration_grid`:
     one engine per batch size (one prefill), a warm-up round and ``repeats``
     timed rounds over its shapes; the median per shape is kept."""
-    from tqdm.auto import tqdm
-
     from worker.engine.engine import Engine
+    from worker.progress import ProgressBar
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -110,7 +109,7 @@ def calibrate_verify(model, max_batch: int, max_nodes: int, context_len: int = 1
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     out: list[VerifyTiming] = []
-    bar = tqdm(total=len(grid), desc="calibrating verify", unit="shape", disable=not progress)
+    bar = ProgressBar(len(grid), "calibrating verify", enabled=progress)
     for batch in sorted({b for b, _ in grid}):
         shapes = [n for b, n in grid if b == batch]
         current = [Decision.off()]

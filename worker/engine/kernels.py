@@ -350,10 +350,9 @@ def tune_model(model: torch.nn.Module, cache: bool = True, reps: int = 3, rows: 
     path = _cache_dir() / f"{_cache_key([tuple(w[0].shape) for w in by_shape.values()], weight.dtype, rows, names)}.json"
     loaded = _load(path) if cache else None
     if loaded is None:
-        from tqdm.auto import tqdm
+        from worker.progress import ProgressBar
 
-        bar = tqdm(total=len(by_shape) * len(rows) * reps, desc="tune linear kernels", unit="point",
-                   disable=not show_progress)
+        bar = ProgressBar(len(by_shape) * len(rows) * reps, "tune linear kernels", enabled=show_progress)
         timings = {}
         for key, weights in by_shape.items():
             per = weights[0].numel() * weights[0].element_size()

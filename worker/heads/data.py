@@ -21,14 +21,17 @@ import hashlib
 import json
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from worker.progress import ProgressBar
 from worker.prompts import Prompt, chat_ids
 
-__all__ = ["DistillSet", "SAMPLE_SEP", "build_distill_set", "distill_cache_dir", "draft_vocab"]
+__all__ = ["AnswerSpec", "DistillSet", "ModelLoader", "SAMPLE_SEP", "answer_in_processes", "build_distill_set",
+           "distill_cache_dir", "draft_vocab"]
 
 _FORMAT = 1
 SAMPLE_SEP = "~"  # "<prompt id>~<k>": the k-th sampled answer to a prompt
@@ -124,7 +127,8 @@ def _data_hash(model_key: str, prompts: list[Prompt], max_new_tokens: int, tempe
 
 
 @torch.inference_mode()
-def _features(model, sequences: list[list[int]], batch: int, progress) -> list[torch.Tensor]:
+def _features(model, sequences: list[list[int]], batch: int, progress: ProgressBar | None,
+              tick: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     base = getattr(model, model.base_model_prefix)
     device = next(model.parameters()).device
     out: list[torch.Tensor] = [None] * len(sequences)  # type: ignore[list-item]
@@ -142,6 +146,8 @@ def _features(model, sequences: list[list[int]], batch: int, progress) -> list[t
             out[i] = h[r, : len(sequences[i])].float().cpu().clone()
         if progress is not None:
             progress.update(len(idx))
+        if tick is not None:
+            tick(len(idx))
     return out
 
 
@@ -158,6 +164,8 @@ def build_distill_set(
     samples: int = 0,
     temperature: float = 0.8,
     sample_prompts: list[Prompt] | None = None,
+    jobs: int = 1,
+    loader: ModelLoader | None = None,
 ) -> DistillSet:
     """The target's greedy answers to ``prompts`` (plus ``samples`` sampled
     answers to each of ``sample_prompts``, default ``prompts``) with their
@@ -165,49 +173,153 @@ def build_distill_set(
     reuses the greedy answers.
 
     ``encode(text) -> token ids`` defaults to the tokenizer's chat template.
+    ``jobs > 1`` with a ``loader`` answers the parts not cached yet in that
+    many processes at once, each with its own copy of the target (see
+    :func:`answer_in_processes`); the parts are the same as when answered
+    one after the other.
     """
     if samples < 0 or (samples and not temperature > 0):
         raise ValueError(f"samples must be >= 0 with a temperature > 0, got samples={samples}, "
                          f"temperature={temperature}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got jobs={jobs}")
     encode = encode or (lambda text: chat_ids(tokenizer, text))
-    args = (model, encode, model_key, max_new_tokens, batch, cache, show_progress)
-    parts = [_answer_set(*args, prompts, 0.0, 0)]
-    for k in range(1, samples + 1):
-        parts.append(_answer_set(*args, sample_prompts if sample_prompts is not None else prompts, temperature, k))
-    return DistillSet.concat(parts)
+    sampled = sample_prompts if sample_prompts is not None else prompts
+    ids = {p.text: encode(p.text) for p in [*prompts, *sampled]}
+    specs = [AnswerSpec(model_key, prompts, [ids[p.text] for p in prompts], max_new_tokens, 0.0, 0)]
+    specs += [AnswerSpec(model_key, sampled, [ids[p.text] for p in sampled], max_new_tokens, temperature, k)
+              for k in range(1, samples + 1)]
+    missing = [s for s in specs if not (cache and s.path().is_file())]
+    if jobs > 1 and loader is not None and cache and len(missing) > 1:
+        answer_in_processes(loader, missing, batch, jobs, show_progress)
+    return DistillSet.concat([_answer_set(model, spec, batch, cache, show_progress) for spec in specs])
 
 
-def _answer_set(model, encode, model_key: str, max_new_tokens: int, batch: int, cache: bool, show_progress: bool,
-                prompts: list[Prompt], temperature: float, seed: int) -> DistillSet:
-    """One answer per prompt (greedy, or sampled with ``seed``), features recorded; cached."""
-    from tqdm.auto import tqdm
+@dataclass(frozen=True)
+class ModelLoader:
+    """How a child process loads its own copy of the target: ``load_model``'s
+    name or path, the kernel choice, and torch threads (set before loading,
+    so a tuned kernel table cached for that thread count is reused)."""
 
+    name_or_path: str
+    tune_kernels: bool = False
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class AnswerSpec:
+    """One part of a distillation set: one answer per prompt, greedy
+    (``temperature == 0``) or sampled with ``seed``."""
+
+    model_key: str
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    max_new_tokens: int
+    temperature: float
+    seed: int
+
+    def data_hash(self) -> str:
+        return _data_hash(self.model_key, self.prompts, self.max_new_tokens, self.temperature, self.seed)
+
+    def path(self) -> Path:
+        return distill_cache_dir() / f"{self.model_key}-{self.data_hash()}.pt"
+
+    def describe(self) -> str:
+        return f"sampled answers #{self.seed} (T={self.temperature})" if self.temperature else "target answers"
+
+
+def _answer_set(model, spec: AnswerSpec, batch: int, cache: bool, show_progress: bool,
+                tick: Callable[[int], None] | None = None) -> DistillSet:
+    """One answer per prompt (greedy, or sampled with ``seed``), features
+    recorded; cached. ``tick(n)`` hears of every ``n`` prompts answered and
+    ``n`` sequences featurised."""
     from worker.engine.engine import Engine
 
-    data_hash = _data_hash(model_key, prompts, max_new_tokens, temperature, seed)
-    path = distill_cache_dir() / f"{model_key}-{data_hash}.pt"
+    path = spec.path()
     if cache and path.is_file():
         return DistillSet.load(path)
-    prompt_ids = [encode(p.text) for p in prompts]
-    what = f"sampled answers #{seed} (T={temperature})" if temperature else "target answers"
     # Plain decoding with continuous batching; sampling is the target's own law.
-    engine = Engine(model, max_batch=batch, temperature=temperature, seed=seed)
-    bar = tqdm(total=len(prompts), desc=f"distill: {what}", unit="prompt", disable=not show_progress)
-    reqs = [engine.submit(ids, max_new_tokens, request_id=p.id, on_done=lambda r: bar.update(1))
-            for p, ids in zip(prompts, prompt_ids)]
+    engine = Engine(model, max_batch=batch, temperature=spec.temperature, seed=spec.seed)
+    bar = ProgressBar(len(spec.prompts), f"distill: {spec.describe()}", enabled=show_progress)
+
+    def answered(_request) -> None:
+        bar.update(1)
+        if tick is not None:
+            tick(1)
+
+    reqs = [engine.submit(ids, spec.max_new_tokens, request_id=p.id, on_done=answered)
+            for p, ids in zip(spec.prompts, spec.prompt_ids)]
     engine.run()
     bar.close()
-    sequences = [ids + r.output for ids, r in zip(prompt_ids, reqs)]
+    sequences = [ids + r.output for ids, r in zip(spec.prompt_ids, reqs)]
 
-    bar = tqdm(total=len(sequences), desc="distill: target features", unit="seq", disable=not show_progress)
-    feats = _features(model, sequences, batch, bar)
+    bar = ProgressBar(len(sequences), "distill: target features", enabled=show_progress)
+    feats = _features(model, sequences, batch, bar, tick)
     bar.close()
-    ids = [p.id + (f"{SAMPLE_SEP}{seed}" if temperature else "") for p in prompts]
-    ds = DistillSet(model_key, ids, [p.domain for p in prompts], sequences, [len(i) for i in prompt_ids], feats,
-                    data_hash, max_new_tokens)
+    ids = [p.id + (f"{SAMPLE_SEP}{spec.seed}" if spec.temperature else "") for p in spec.prompts]
+    ds = DistillSet(spec.model_key, ids, [p.domain for p in spec.prompts], sequences,
+                    [len(i) for i in spec.prompt_ids], feats, spec.data_hash(), spec.max_new_tokens)
     if cache:
         ds.save(path)
     return ds
+
+
+# --------------------------------------------------------------------------
+# answering parts in several processes
+# --------------------------------------------------------------------------
+
+_child_model = None
+_child_ticks = None
+_child_error: Exception | None = None
+
+
+def _child_start(loader: ModelLoader, ticks) -> None:
+    global _child_model, _child_ticks, _child_error
+    from worker.models import load_model
+
+    _child_ticks = ticks
+    torch.set_num_threads(loader.threads)
+    try:
+        _child_model = load_model(loader.name_or_path, tune_kernels=loader.tune_kernels, log=None).model
+    except Exception as err:  # a pool whose initializer raises respawns it for ever: fail the first task instead
+        _child_error = err
+
+
+def _child_answer(spec: AnswerSpec, batch: int) -> str:
+    if _child_error is not None:
+        raise _child_error
+    with torch.inference_mode():
+        _answer_set(_child_model, spec, batch, cache=True, show_progress=False, tick=_child_ticks.put)
+    return str(spec.path())
+
+
+def answer_in_processes(loader: ModelLoader, specs: list[AnswerSpec], batch: int, jobs: int,
+                        show_progress: bool = True) -> list[Path]:
+    """Answer ``specs`` in ``min(jobs, len(specs))`` processes, each loading
+    the target through ``loader``, and cache every part (``AnswerSpec.path``).
+
+    Generation on a CPU is one core's work per process (one torch thread
+    streams the weights for all rows of a batch), so on N cores N parts at
+    once take about the time of one. Each part's engine, batch order and
+    sampling seed are the same as in one process, so the answers are too.
+    One bar counts every part's prompts and sequences.
+    """
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")  # fork would copy OpenMP's thread pool state of a busy parent
+    ticks = ctx.Queue()
+    procs = min(jobs, len(specs))
+    total = 2 * sum(len(s.prompts) for s in specs)  # answers, then features
+    with (ProgressBar(total, f"distill: {len(specs)} answer sets in {procs} processes", enabled=show_progress) as bar,
+          ctx.Pool(procs, initializer=_child_start, initargs=(loader, ticks)) as pool):
+        result = pool.starmap_async(_child_answer, [(s, batch) for s in specs], chunksize=1)
+        while not result.ready():
+            try:
+                bar.update(ticks.get(timeout=0.5))
+            except queue.Empty:
+                pass
+        return [Path(p) for p in result.get()]  # raises what a child raised
 
 
 def extend_with_text(ds: DistillSet, model, tokenizer, files: list[str], max_tokens: int = 50_000,
@@ -215,8 +327,6 @@ def extend_with_text(ds: DistillSet, model, tokenizer, files: list[str], max_tok
     """Add plain text (e.g. source files) as extra sequences: one forward each
     gives the target's features, and its distributions are the labels, so no
     generation is needed. Extra sequences never enter the held-out split."""
-    from tqdm.auto import tqdm
-
     chunks: list[list[int]] = []
     total = 0
     for path in files:
@@ -230,7 +340,7 @@ def extend_with_text(ds: DistillSet, model, tokenizer, files: list[str], max_tok
                 break
         if total >= max_tokens:
             break
-    bar = tqdm(total=len(chunks), desc="distill: extra text features", unit="seq", disable=not show_progress)
+    bar = ProgressBar(len(chunks), "distill: extra text features", enabled=show_progress)
     feats = _features(model, chunks, batch, bar)
     bar.close()
     h = hashlib.sha256(ds.data_hash.encode())

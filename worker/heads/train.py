@@ -37,6 +37,7 @@ from worker.heads.data import DistillSet, draft_vocab
 from worker.heads.modules import EagleHead, init_layer_from_target
 from worker.heads.config import TrainConfig
 from worker.heads.store import HeadsBundle
+from worker.progress import ProgressBar
 
 __all__ = ["TrainConfig", "evaluate", "train"]
 
@@ -73,8 +74,6 @@ def _medusa_samples(ds: DistillSet, idx: list[int], k: int, answer_only: bool = 
 
 
 def _train_medusa(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: TrainConfig, log) -> None:
-    from tqdm.auto import tqdm
-
     heads = bundle.module
     w = _lm_rows(model, bundle.vocab_map)
     table, pos, labels = _medusa_samples(ds, train_idx, cfg.num_heads, cfg.loss_on == "answer")
@@ -82,7 +81,7 @@ def _train_medusa(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: Tr
     gen = torch.Generator().manual_seed(cfg.seed)
     steps = math.ceil(len(pos) / cfg.batch_positions) * cfg.epochs
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=max(steps, 1), pct_start=0.1)
-    bar = tqdm(total=steps, desc="train medusa heads", unit="step", disable=log is None)
+    bar = ProgressBar(steps, "train medusa heads", enabled=log is not None)
     heads.train()
     for _ in range(cfg.epochs):
         perm = torch.randperm(len(pos), generator=gen)
@@ -101,8 +100,7 @@ def _train_medusa(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: Tr
             loss.backward()
             opt.step()
             sched.step()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.update(1).show(loss=f"{loss.item():.3f}")
     bar.close()
     heads.eval()
 
@@ -195,8 +193,6 @@ def _eagle_loss(outs, feats, lens, plens, w, cls_weight, reg_weight=1.0, answer_
 
 
 def _train_eagle(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: TrainConfig, log) -> None:
-    from tqdm.auto import tqdm
-
     head: EagleHead = bundle.module
     w = _lm_rows(model, bundle.vocab_map)
     embed = _embed(model)
@@ -208,7 +204,7 @@ def _train_eagle(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: Tra
     batches = [order[s : s + cfg.batch_sequences] for s in range(0, len(order), cfg.batch_sequences)]
     steps = len(batches) * cfg.epochs
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=max(steps, 1), pct_start=0.1)
-    bar = tqdm(total=steps, desc="train eagle head", unit="step", disable=log is None)
+    bar = ProgressBar(steps, "train eagle head", enabled=log is not None)
     head.train()
     for _ in range(cfg.epochs):
         for bi in torch.randperm(len(batches), generator=gen).tolist():
@@ -221,8 +217,7 @@ def _train_eagle(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: Tra
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
             sched.step()
-            bar.update(1)
-            bar.set_postfix(reg=f"{parts[0][0]:.3f}", ce=f"{parts[0][1]:.3f}")
+            bar.update(1).show(reg=f"{parts[0][0]:.3f}", ce=f"{parts[0][1]:.3f}")
     bar.close()
     head.eval()
 

@@ -1,0 +1,73 @@
+"""Progress bars of the worker's long jobs, drawn with rich.
+
+Distillation, head training, kernel tuning and start-up calibration each
+take seconds to tens of minutes on a CPU; each shows one bar with its count,
+elapsed and remaining time, and the job's latest figures (a loss, say). A
+disabled bar draws nothing and costs a method call.
+
+>>> bar = ProgressBar(3, "example", enabled=False)
+>>> bar.update(2).show(loss=0.25).completed
+2
+>>> bar.close()
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+
+__all__ = ["ProgressBar"]
+
+
+class ProgressBar:
+    """One rich bar over ``total`` units of work.
+
+    Parameters
+    ----------
+    total
+        Units of work (prompts, steps, shapes); at least 0.
+    description
+        What the bar counts, shown on its left.
+    enabled
+        False draws nothing (logs, tests, a caller that shows its own display).
+    console
+        Where to draw (default: rich's console on standard output).
+    """
+
+    def __init__(self, total: int, description: str, enabled: bool = True, console: Console | None = None) -> None:
+        if total < 0:
+            raise ValueError(f"progress total must be >= 0, got total={total}")
+        self.completed = 0
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        if enabled:
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                      TextColumn("{task.fields[figures]}"), console=console)
+            self._task = self._progress.add_task(description, total=total, figures="")
+            self._progress.start()
+
+    def update(self, n: int = 1) -> "ProgressBar":
+        """Count ``n`` more units done."""
+        self.completed += n
+        if self._progress is not None:
+            self._progress.update(self._task, advance=n)
+        return self
+
+    def show(self, **figures: object) -> "ProgressBar":
+        """Show ``name=value`` figures beside the bar (replacing the last ones)."""
+        if self._progress is not None:
+            self._progress.update(self._task, figures=" ".join(f"{k}={v}" for k, v in figures.items()))
+        return self
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
