@@ -27,3 +27,17 @@ def test_disabled_bar_draws_nothing_and_bad_total_is_refused():
     assert out.getvalue() == "" and bar.completed == 5
     with pytest.raises(ValueError, match="progress total must be >= 0, got total=-1"):
         ProgressBar(-1, "bad")
+
+
+def test_off_a_terminal_the_bar_prints_its_line_as_it_goes():
+    out = io.StringIO()
+    bar = ProgressBar(4, "distill: target answers", console=Console(file=out, force_terminal=False, width=120),
+                      log_every_s=0)
+    bar.update(1)
+    assert "1/4" in out.getvalue()  # printed before the bar stops
+    bar.update(2)
+    assert "3/4" in out.getvalue()
+    bar.close()
+    assert "4/4" not in out.getvalue() and out.getvalue().count("distill: target answers") == 3
+    with pytest.raises(ValueError, match="log_every_s must be >= 0, got log_every_s=-1"):
+        ProgressBar(1, "bad", log_every_s=-1)

@@ -2,8 +2,11 @@
 
 Distillation, head training, kernel tuning and start-up calibration each
 take seconds to tens of minutes on a CPU; each shows one bar with its count,
-elapsed and remaining time, and the job's latest figures (a loss, say). A
-disabled bar draws nothing and costs a method call.
+elapsed and remaining time, and the job's latest figures (a loss, say). On
+a terminal the bar redraws in place; written to a file or pipe (a job under
+nohup, CI) it prints its line every ``log_every_s`` seconds and once at the
+end, since rich draws a non-terminal bar only when it stops. A disabled bar
+draws nothing and costs a method call.
 
 >>> bar = ProgressBar(3, "example", enabled=False)
 >>> bar.update(2).show(loss=0.25).completed
@@ -12,6 +15,8 @@ disabled bar draws nothing and costs a method call.
 """
 
 from __future__ import annotations
+
+import time
 
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn,
@@ -33,12 +38,19 @@ class ProgressBar:
         False draws nothing (logs, tests, a caller that shows its own display).
     console
         Where to draw (default: rich's console on standard output).
+    log_every_s
+        Off a terminal, seconds between printed progress lines.
     """
 
-    def __init__(self, total: int, description: str, enabled: bool = True, console: Console | None = None) -> None:
+    def __init__(self, total: int, description: str, enabled: bool = True, console: Console | None = None,
+                 log_every_s: float = 60.0) -> None:
         if total < 0:
             raise ValueError(f"progress total must be >= 0, got total={total}")
+        if log_every_s < 0:
+            raise ValueError(f"log_every_s must be >= 0, got log_every_s={log_every_s}")
         self.completed = 0
+        self._log_every_s = log_every_s
+        self._last_log = time.monotonic()
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         if enabled:
@@ -53,6 +65,10 @@ class ProgressBar:
         self.completed += n
         if self._progress is not None:
             self._progress.update(self._task, advance=n)
+            now = time.monotonic()
+            if not self._progress.console.is_terminal and now - self._last_log >= self._log_every_s:
+                self._last_log = now
+                self._progress.console.print(self._progress.get_renderable())
         return self
 
     def show(self, **figures: object) -> "ProgressBar":
