@@ -34,9 +34,9 @@ def test_off_a_terminal_the_bar_prints_its_line_as_it_goes():
     bar = ProgressBar(4, "distill: target answers", console=Console(file=out, force_terminal=False, width=120),
                       log_every_s=0)
     bar.update(1)
-    assert "1/4" in out.getvalue()  # printed before the bar stops
-    bar.update(2)
-    assert "3/4" in out.getvalue()
+    assert "distill: target answers: 1/4 (25 %)" in out.getvalue()  # printed before the bar stops
+    bar.update(2).show(loss=0.5)
+    assert "3/4 (75 %)" in out.getvalue()
     bar.close()
     assert "4/4" not in out.getvalue() and out.getvalue().count("distill: target answers") == 3
     with pytest.raises(ValueError, match="log_every_s must be >= 0, got log_every_s=-1"):

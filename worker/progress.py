@@ -68,8 +68,15 @@ class ProgressBar:
             now = time.monotonic()
             if not self._progress.console.is_terminal and now - self._last_log >= self._log_every_s:
                 self._last_log = now
-                self._progress.console.print(self._progress.get_renderable())
+                self._progress.console.print(self._line(), soft_wrap=True, highlight=False)
         return self
+
+    def _line(self) -> str:
+        """The bar as one plain line (a log file is no wider than its longest line)."""
+        task = self._progress.tasks[0]
+        eta = "?" if task.time_remaining is None else f"{task.time_remaining:.0f} s"
+        return (f"{task.description}: {task.completed:.0f}/{task.total:.0f} ({task.percentage:.0f} %), "
+                f"{task.elapsed or 0:.0f} s elapsed, eta {eta} {task.fields['figures']}").rstrip()
 
     def show(self, **figures: object) -> "ProgressBar":
         """Show ``name=value`` figures beside the bar (replacing the last ones)."""
