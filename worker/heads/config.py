@@ -29,8 +29,8 @@ class DistillData:
 # The data first use trains each kind on (``ensure_heads``). EAGLE keeps gaining from more sampled answers
 # to the same prompts, Medusa does not (SmolLM2-135M, 31 held-out prompts, issue #4): EAGLE's held-out greedy
 # chain tau(d2) / tau(d4) 0.58 / 0.65 with 1 sampled answer, 0.63 / 0.74 with 2, 0.70 / 0.86 with 5, 0.77 / 0.96
-# with 10 (each further answer ~5 min of one core's generation, ~6 min more of EAGLE training); Medusa 0.47 / 0.56
-# with 1 and 2.
+# with 10 (each further answer ~5 min of one core's generation; EAGLE's training grows with the data); Medusa
+# 0.47 / 0.56 with 1 and 2.
 DEFAULT_DATA = {"medusa": DistillData(samples=2), "eagle": DistillData(samples=10)}
 
 

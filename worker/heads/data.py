@@ -285,24 +285,22 @@ def _child_start(loader: ModelLoader, ticks) -> None:
         _child_error = err
 
 
-def _child_answer(spec: AnswerSpec, batch: int) -> str:
+def _child_answer(spec: AnswerSpec, batch: int) -> None:
     if _child_error is not None:
         raise _child_error
     with torch.inference_mode():
         _answer_set(_child_model, spec, batch, cache=True, show_progress=False, tick=_child_ticks.put)
-    return str(spec.path())
 
 
 def answer_in_processes(loader: ModelLoader, specs: list[AnswerSpec], batch: int, jobs: int,
-                        show_progress: bool = True) -> list[Path]:
+                        show_progress: bool = True) -> None:
     """Answer ``specs`` in ``min(jobs, len(specs))`` processes, each loading
     the target through ``loader``, and cache every part (``AnswerSpec.path``).
 
-    Generation on a CPU is one core's work per process (one torch thread
-    streams the weights for all rows of a batch), so on N cores N parts at
-    once take about the time of one. Each part's engine, batch order and
-    sampling seed are the same as in one process, so the answers are too.
-    One bar counts every part's prompts and sequences.
+    One process at one torch thread keeps one core busy, so the processes
+    use cores a single process leaves idle. Each part's engine, batch order
+    and sampling seed are the same as in one process, so the answers are
+    too. One bar counts every part's prompts and sequences.
     """
     import multiprocessing as mp
     import queue
@@ -319,7 +317,7 @@ def answer_in_processes(loader: ModelLoader, specs: list[AnswerSpec], batch: int
                 bar.update(ticks.get(timeout=0.5))
             except queue.Empty:
                 pass
-        return [Path(p) for p in result.get()]  # raises what a child raised
+        result.get()  # raises what a child raised
 
 
 def extend_with_text(ds: DistillSet, model, tokenizer, files: list[str], max_tokens: int = 50_000,
