@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from policies.table import Decision
-from worker.drafters.base import DraftContext, Drafter, DraftTree, best_first_tree
+from worker.drafters.base import DraftContext, Drafter, DraftTree, PromptIngest, best_first_tree
 from worker.drafters.eagle import EagleDrafter
 from worker.drafters.medusa import MedusaDrafter
 from worker.drafters.ngram import NgramDrafter
@@ -184,6 +184,33 @@ def test_eagle_incremental_ingest_equals_fresh(tiny):
     other = EagleDrafter(b, model)
     got2, _ = other.propose([DraftContext("x", tokens, feats), DraftContext("y", tokens[:4], feats[:3])], [d, d])
     assert got2.tokens == want.tokens and got2.parents == want.parents
+
+
+def test_eagle_prompt_ingest_leaves_only_new_pairs_to_the_first_draft(tiny):
+    """The draft prefill (``ingest_prompts``) runs the head over the prompt at
+    admission; a request off for a while then catches up on the pairs it
+    generated meanwhile alone, and drafts what a drafter fed everything at
+    once drafts."""
+    model, vocab = tiny
+    b = _eagle(model, vocab, seed=4)
+    gen = torch.Generator().manual_seed(6)
+    tokens = torch.randint(0, vocab, (14,), generator=gen).tolist()
+    feats = torch.randn(13, 64, generator=gen)  # features of tokens[0..12]; tokens[13] is the root
+    d = Decision(3, 2, 6)
+    (want,) = EagleDrafter(b, model).propose([DraftContext("x", tokens, feats)], [d])
+
+    eager = EagleDrafter(b, model)
+    assert isinstance(eager, PromptIngest) and not isinstance(NgramDrafter(), PromptIngest)
+    pairs_run = []  # pairs (queries) of every head forward
+    eager.head.fc.register_forward_hook(lambda module, args, out: pairs_run.append(args[0].shape[1]))
+    eager.ingest_prompts([DraftContext("x", tokens[:8], feats[:7], 8)])
+    assert pairs_run == [7]  # the prompt minus its last token
+    eager.propose([DraftContext("x", tokens[:10], feats[7:9])], [Decision.off()])
+    assert pairs_run == [7]  # off: the two new features wait, the head does not run
+    (got,) = eager.propose([DraftContext("x", tokens, feats[9:])], [d])
+    assert pairs_run[1] == 2 + 4  # the catch-up: queued while off + this step's, not the prompt again
+    assert got.tokens == want.tokens and got.parents == want.parents
+    assert got.confidences == pytest.approx(want.confidences, rel=1e-4)
 
 
 def test_medusa_head_is_residual_block_then_projection():

@@ -207,6 +207,29 @@ def test_eos_stops_a_row_and_mixed_decisions(tiny):
         assert r.output == ref[:cut]
 
 
+@pytest.mark.model
+def test_eagle_prefills_its_head_at_admission(tiny):
+    """EAGLE's head runs over the prompt when the request is admitted (timed
+    with the prefill), so the first step that drafts after a run of off steps
+    ingests only what was generated meanwhile; the output stays greedy."""
+    model, vocab, prompts, refs = tiny
+    drafter = _drafter("eagle", model, vocab, prompts, refs)
+    pairs_run = []
+    drafter.head.fc.register_forward_hook(lambda module, args, out: pairs_run.append(args[0].shape[1]))
+    steps = []
+    engine = Engine(model, drafter, lambda rid, ctx, batch: Decision.chain(2) if len(steps) >= 3 else Decision.off(),
+                    max_batch=1)
+    req = engine.submit(prompts[0], NEW)
+    for _ in range(4):
+        engine.step()
+        steps.append(engine.stats.steps)
+    # admission: the 8 features of the 9-token prompt; steps 1-3 off; step 4 drafts after ingesting the
+    # features of the roots of steps 1-3, then expands one level (one query per row)
+    assert pairs_run == [len(prompts[0]) - 1, 3, 1]
+    engine.run()
+    assert req.output == refs[0][:NEW]
+
+
 class Recorder:
     def __init__(self):
         self.steps, self.finished = [], []

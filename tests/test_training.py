@@ -204,3 +204,42 @@ def test_first_use_data_is_chosen_per_kind(tmp_path, monkeypatch):
     assert default_heads_dir("m", DEFAULT_DATA["medusa"]) == default_heads_dir("m", DistillData(samples=2))
     with pytest.raises(ValueError, match="unknown drafter 'lookahead'"):
         ensure_heads("lookahead", "m")
+
+
+@pytest.mark.model
+def test_train_heads_end_to_end_trains_on_its_own_threads(tiny_ds, tmp_path, monkeypatch):
+    """``train_heads`` on a checkpoint directory (the tiny target with a word-level
+    tokenizer over its ids): distils, trains at ``train_threads`` torch threads,
+    gives the caller its own thread count back, saves a loadable bundle."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import worker.heads.train as train_module
+    from worker.heads import train_heads
+
+    model, vocab, prompts, _ = tiny_ds
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    words = Tokenizer(models.WordLevel({str(i): i for i in range(vocab)}, unk_token="0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    target = tmp_path / "tiny"
+    model.save_pretrained(target)
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="0").save_pretrained(target)
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": p.id, "domain": p.domain, "prompt": p.text}) + "\n"
+                                   for p in prompts[:12]))
+    threads_in_training = []
+    real_train = train_module.train
+
+    def spy(*args, **kwargs):
+        threads_in_training.append(torch.get_num_threads())
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train", spy)
+    torch.set_num_threads(1)
+    bundle = train_heads("medusa", str(target), str(prompt_file), tmp_path / "heads",
+                         config=TrainConfig(kind="medusa", epochs=1, num_heads=2), max_new_tokens=6, gen_batch=4,
+                         samples=0, tune_kernels=False, jobs=1, train_threads=2, log=lambda *_: None)
+    assert threads_in_training == [2] and torch.get_num_threads() == 1
+    assert HeadsBundle.load(tmp_path / "heads", "medusa").version == bundle.version

@@ -37,7 +37,7 @@ def _train_heads(args: argparse.Namespace) -> int:
         train_heads(args.drafter, args.model, args.prompts, args.out, config=cfg, max_new_tokens=args.max_new_tokens,
                     gen_batch=args.gen_batch, limit=args.limit, extra_text=extra, extra_tokens=args.extra_tokens,
                     samples=args.samples, temperature=args.sample_temperature,
-                    tune_kernels=args.kernels == "tuned", jobs=args.jobs)
+                    tune_kernels=args.kernels == "tuned", jobs=args.jobs, train_threads=args.train_threads)
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
         print(f"specctl train-heads: {err}", file=sys.stderr)
         return 2
@@ -114,6 +114,9 @@ def add_worker_commands(sub) -> None:
     th.add_argument("--jobs", type=int, default=0,
                     help="processes that generate distillation parts at once, --threads each (default 0: one per "
                          "--threads cores)")
+    th.add_argument("--train-threads", type=int, default=0,
+                    help="torch threads while the heads train (default 0: --threads); alone on the machine, "
+                         "its core count")
     th.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
     th.set_defaults(func=_train_heads)
 

@@ -11,8 +11,9 @@ Hidden states: ``DraftContext.hidden`` carries the target's last hidden
 state (after the final norm: the LM head's input) for the tokens committed
 since the previous call, *excluding* the root, i.e. rows
 ``tokens[-1 - m : -1]`` for ``m = hidden.shape[0]``. On a request's first
-call it covers the prompt minus its last token. Drafters that do not need
-them (``needs_hidden = False``) get ``None``.
+call it covers the prompt minus its last token, unless the drafter took the
+prompt at admission (``PromptIngest``). Drafters that do not need them
+(``needs_hidden = False``) get ``None``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 from policies.base import DrafterLimits
 from policies.table import Decision
 
-__all__ = ["DraftContext", "DraftTree", "Drafter", "DrafterLimits", "EMPTY_TREE", "best_first_tree", "draft_lm_head"]
+__all__ = ["DraftContext", "DraftTree", "Drafter", "DrafterLimits", "EMPTY_TREE", "PromptIngest", "best_first_tree",
+           "draft_lm_head"]
 
 
 @dataclass(slots=True)
@@ -107,6 +109,22 @@ class Drafter(Protocol):
 
     def release(self, request_id: str) -> None:
         """The request left the batch: drop its state."""
+        ...
+
+
+@runtime_checkable
+class PromptIngest(Protocol):
+    """A drafter with work of its own to do on a prompt (a draft prefill).
+
+    The engine hands such a drafter each new request's prompt features at
+    admission, timed with the target's prefill, instead of with the
+    request's first ``propose``: what the first drafting step costs is then
+    what every later one costs."""
+
+    def ingest_prompts(self, contexts: Sequence[DraftContext]) -> None:
+        """``contexts``: one per admitted request, ``tokens`` = the prompt,
+        ``hidden`` = the features of all its tokens but the last (``None``
+        for a one-token prompt)."""
         ...
 
 

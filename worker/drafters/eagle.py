@@ -7,7 +7,9 @@ position t. Each step:
 1. **ingest** the features the target computed since the request last
    drafted (root + accepted drafts of each step; queued while the request's
    decision is off, so speculation off costs nothing): one head forward over
-   the new pairs, appended to the request's cache. The output at the last pair, ``(f_{R-1}, x_R)`` with ``x_R`` the
+   the new pairs, appended to the request's cache. The prompt's pairs are
+   ingested at admission (``ingest_prompts``, the draft prefill), so a
+   request switched on pays only for the tokens generated while it was off. The output at the last pair, ``(f_{R-1}, x_R)`` with ``x_R`` the
    root, predicts the root's feature ``f̂_R``; the draft LM head on it gives
    the level-1 candidates.
 2. **expand** (EAGLE-2, Li et al. 2024b): at each level the ``width`` nodes
@@ -122,15 +124,39 @@ class EagleDrafter:
         return self.head.norm(out), k, v
 
     # ------------------------------------------------------------ ingest
+    def _queue(self, ctx: DraftContext) -> _State:
+        """The request's state, with its new features (if any) queued."""
+        st = self._state.setdefault(ctx.request_id, _State())
+        if ctx.hidden is not None and ctx.hidden.shape[0]:
+            st.pending.append((len(ctx.tokens) - 1 - ctx.hidden.shape[0], ctx.hidden))
+        return st
+
+    @torch.inference_mode()
+    def ingest_prompts(self, contexts: Sequence[DraftContext]) -> None:
+        """Draft prefill at admission: the head runs over each new request's
+        prompt features while the target prefills it, whatever the request's
+        first decisions are. Without it the first drafting step of a request
+        pays for its whole prompt, and a batch switched on after running off
+        for a while pays for every row's at once: draft time the cost model
+        cannot tell apart from a deeper tree."""
+        self._catch_up([(ctx, self._queue(ctx)) for ctx in contexts])
+
     def _ingest(self, contexts: Sequence[DraftContext], decisions: Sequence[Decision]) -> None:
         """Queue every row's new features; run the head only for rows that
         draft this step (an off row's features wait: no draft cost while off)."""
-        rows = []
+        due = []
         for ctx, dec in zip(contexts, decisions):
-            st = self._state.setdefault(ctx.request_id, _State())
-            if ctx.hidden is not None and ctx.hidden.shape[0]:
-                st.pending.append((len(ctx.tokens) - 1 - ctx.hidden.shape[0], ctx.hidden))
-            if dec.depth == 0 or not st.pending:
+            st = self._queue(ctx)
+            if dec.depth > 0:
+                due.append((ctx, st))
+        self._catch_up(due)
+
+    def _catch_up(self, due: Sequence[tuple[DraftContext, _State]]) -> None:
+        """One head forward over the queued pairs of every row in ``due``,
+        appended to each row's cache."""
+        rows = []
+        for ctx, st in due:
+            if not st.pending:
                 continue
             first = st.pending[0][0]  # feature index of the first queued feature
             hidden = st.pending[0][1] if len(st.pending) == 1 else torch.cat([h for _, h in st.pending])

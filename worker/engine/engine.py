@@ -4,7 +4,8 @@ One ``Engine.step()``:
 
 1. **admit** waiting requests (up to ``max_batch`` rows): prefill them
    together (left-padded) into a fresh ``BatchKV`` and merge it into the
-   batch's;
+   batch's; a drafter with a prefill of its own (``PromptIngest``: EAGLE's
+   head over the prompt's features) runs it here;
 2. **decide** per row: ``decide(request_id, context_len, batch_size)`` →
    ``Decision`` (``SpeculationAgent.decide`` or any callable), clamped to the
    drafter's limits; depth 0 = plain decoding for that row;
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from policies.table import Decision
-from worker.drafters.base import EMPTY_TREE, DraftContext, Drafter, DraftTree
+from worker.drafters.base import EMPTY_TREE, DraftContext, Drafter, DraftTree, PromptIngest
 from worker.engine.batch import RowOutcome, build_block, greedy_path, row_outcome
 from worker.engine.kv import BatchKV, SlotCache
 from worker.engine.sampling import sample_accept_tree
@@ -256,11 +257,17 @@ class Engine:
         if live:
             fresh, hidden = self._prefill([r.prompt for r in live])
             self.kv.merge(fresh)
-            for req, h in zip(live, hidden):
-                row = _Row(req, list(req.prompt))
-                if self.drafter is not None and self.drafter.needs_hidden and h is not None:
-                    row.pending.append(h)
-                self.rows.append(row)
+            wants_hidden = self.drafter is not None and self.drafter.needs_hidden
+            ingest_now = isinstance(self.drafter, PromptIngest)
+            rows = [_Row(req, list(req.prompt)) for req in live]
+            if ingest_now:  # the draft prefill, timed with the target's
+                self.drafter.ingest_prompts([DraftContext(row.req.request_id, row.tokens, h, len(row.tokens))
+                                             for row, h in zip(rows, hidden)])
+            elif wants_hidden:
+                for row, h in zip(rows, hidden):
+                    if h is not None:
+                        row.pending.append(h)
+            self.rows.extend(rows)
         self.stats.prefill_s += time.perf_counter() - t0
         for req in done_now:
             self._finish_request(req)
