@@ -9,9 +9,10 @@ position t. Each step:
    decision is off, so speculation off costs nothing): one head forward over
    the new pairs, appended to the request's cache. The prompt's pairs are
    ingested at admission (``ingest_prompts``, the draft prefill), so a
-   request switched on pays only for the tokens generated while it was off. The output at the last pair, ``(f_{R-1}, x_R)`` with ``x_R`` the
-   root, predicts the root's feature ``f̂_R``; the draft LM head on it gives
-   the level-1 candidates.
+   request switched on pays only for the tokens generated while it was off.
+   The output at the last pair, ``(f_{R-1}, x_R)`` with ``x_R`` the root,
+   predicts the root's feature ``f̂_R``; the draft LM head on it gives the
+   level-1 candidates.
 2. **expand** (EAGLE-2, Li et al. 2024b): at each level the ``width`` nodes
    with the highest cumulative probability (product along the path) are
    expanded: the pair ``(f̂_parent-output, node token)`` goes through the
