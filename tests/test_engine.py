@@ -216,13 +216,12 @@ def test_eagle_prefills_its_head_at_admission(tiny):
     drafter = _drafter("eagle", model, vocab, prompts, refs)
     pairs_run = []
     drafter.head.fc.register_forward_hook(lambda module, args, out: pairs_run.append(args[0].shape[1]))
-    steps = []
-    engine = Engine(model, drafter, lambda rid, ctx, batch: Decision.chain(2) if len(steps) >= 3 else Decision.off(),
+    engine = Engine(model, drafter,
+                    lambda rid, ctx, batch: Decision.chain(2) if engine.stats.steps >= 3 else Decision.off(),
                     max_batch=1)
     req = engine.submit(prompts[0], NEW)
     for _ in range(4):
         engine.step()
-        steps.append(engine.stats.steps)
     # admission: the 8 features of the 9-token prompt; steps 1-3 off; step 4 drafts after ingesting the
     # features of the roots of steps 1-3, then expands one level (one query per row)
     assert pairs_run == [len(prompts[0]) - 1, 3, 1]

@@ -221,15 +221,14 @@ class BatchKV:
         real = paths >= 0
         # Plain steps and accepted chain prefixes keep every entry where the forward wrote it:
         # only the valid mask and the length change (a rejected tail becomes a hole).
-        in_place = bool(((paths == torch.arange(kept)) | ~real).all())
-        src = past_len + paths.clamp(min=0)  # [batch, K] absolute slots; holes copy the root
-        for layer in self._layers():
-            if not in_place:
+        if not bool(((paths == torch.arange(kept, device=paths.device)) | ~real).all()):
+            src = past_len + paths.clamp(min=0)  # [batch, K] absolute slots; holes copy the root
+            for layer in self._layers():
                 b, h, _, d = layer._k.shape
                 index = src.to(layer._k.device)[:, None, :, None].expand(b, h, kept, d)
                 for buf in (layer._k, layer._v):
-                    picked = buf[:, :, : layer.length].gather(2, index)
-                    buf[:, :, past_len : past_len + kept] = picked
+                    buf[:, :, past_len : past_len + kept] = buf[:, :, : layer.length].gather(2, index)
+        for layer in self._layers():
             layer.length = past_len + kept
         self.valid = torch.cat([self.valid[:, :past_len], real.to(self.valid.device)], dim=1)
 
