@@ -15,7 +15,8 @@ from worker.drafters.eagle import EagleDrafter
 from worker.drafters.oracle import OracleDrafter
 from worker.engine import kernels
 from worker.engine.engine import Engine, static_decide
-from worker.engine.kernels import DENSE, Dispatch, ShapeTiming, TunedLinear, install, plan_dispatch, tune_model
+from worker.engine.kernels import (DENSE, INT8, Dispatch, ShapeTiming, TunedLinear, bf16_available, candidates,
+                                   install, int8_available, plan_dispatch, tune_model)
 from worker.heads.modules import EagleHead
 from worker.heads.store import HeadsBundle
 from worker.models import tiny_llama
@@ -81,6 +82,7 @@ def test_tuned_layer_runs_the_kernel_and_padding_its_dispatch_names(monkeypatch)
     assert calls == [4, 8, 30]  # 3 and 6 rows go to MKL; 30 is past the table: its last kernel, unpadded
 
 
+@pytest.mark.skipif(not bf16_available(), reason="this CPU has no oneDNN bf16 kernels (AVX-512 BW/VL/DQ)")
 def test_bf16_kernel_rounds_like_bfloat16_and_keeps_fp32_in_and_out():
     torch.manual_seed(2)
     layer = torch.nn.Linear(64, 40)
@@ -95,6 +97,41 @@ def test_bf16_kernel_rounds_like_bfloat16_and_keeps_fp32_in_and_out():
             if rows % 3:  # the rows the packed kernel runs (every third goes to MKL)
                 torch.testing.assert_close(y, bf16, rtol=1e-2, atol=1e-2)
                 assert not torch.equal(y, exact)
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch built without fbgemm's dynamic-quantised linear")
+def test_int8_kernel_quantises_weights_per_row_and_keeps_fp32_in_and_out():
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(96, 40)
+    with torch.no_grad():
+        layer.weight[7] *= 50  # one large row: per-row scales keep the others' precision
+    tuned = TunedLinear(layer, forced(packed=INT8))
+    scales = layer.weight.abs().amax(1, keepdim=True) / 127
+    dequantised = (layer.weight / scales).round().clamp(-127, 127) * scales  # what fbgemm multiplies by
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 7, 30):
+            x = torch.randn(rows, 96)
+            y, exact = tuned(x), F.linear(x, layer.weight, layer.bias)
+            assert y.dtype == torch.float32 and y.shape == exact.shape
+            if rows % 3 == 0:  # MKL's rows: exact
+                torch.testing.assert_close(y, exact)
+                continue
+            assert not torch.equal(y, exact)
+            rel = (y - exact).norm() / exact.norm()
+            assert rel < 0.05, rel  # 7-bit activations, 8-bit weights
+            # the weight rounding is per row: the error left is the activations' (one scale per call)
+            on_dequantised = F.linear(x, dequantised, layer.bias)
+            x_step = x.abs().max() / 63.5  # 7-bit activations spanning [min, max] of x
+            bound = x_step * layer.weight.abs().sum(1)  # |Δx| ≤ one step on every input
+            assert ((y - on_dequantised).abs() <= bound).all()
+
+
+def test_lossy_kernels_are_candidates_only_where_allowed():
+    exact = candidates((4, 16), allow_lossy=False)
+    assert exact == [DENSE, "onednn:4", "onednn:16"]
+    lossy = candidates((4, 16), allow_lossy=True)
+    assert lossy[:3] == exact
+    assert ({"bf16:4", "bf16:16"} <= set(lossy)) == bf16_available() and (INT8 in lossy) == int8_available()
 
 
 def test_tuned_layer_falls_back_to_f_linear_under_autograd():
@@ -161,9 +198,12 @@ def test_greedy_decoding_on_tuned_layers_equals_plain_generate(decision, max_bat
 
 @pytest.mark.model
 @pytest.mark.parametrize("max_batch", [1, 3])
-def test_a_drafter_on_bf16_kernels_leaves_greedy_decoding_lossless(tmp_path, monkeypatch, max_batch):
-    """The drafter's layers may compute in bf16 (they only propose); the target
-    verifies in fp32, so the output is ``generate``'s token for token."""
+@pytest.mark.parametrize("lossy", ["bf16:4", INT8])
+def test_a_drafter_on_lossy_kernels_leaves_greedy_decoding_lossless(tmp_path, monkeypatch, max_batch, lossy):
+    """The drafter's layers may compute in bf16 or int8 (they only propose);
+    the target verifies in fp32, so the output is ``generate``'s token for token."""
+    if not (int8_available() if lossy == INT8 else bf16_available()):
+        pytest.skip(f"no {lossy} kernels on this CPU / torch build")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     torch.set_num_threads(1)
     model, vocab = tiny_llama(seed=0)
@@ -179,7 +219,7 @@ def test_a_drafter_on_bf16_kernels_leaves_greedy_decoding_lossless(tmp_path, mon
         bundle = HeadsBundle.build("eagle", EagleHead.config_from_target(model.config), vocab_map)
     drafter = EagleDrafter(bundle, model, max_depth=6, max_width=4, max_tree_nodes=32)
     layers = sum(type(m) is torch.nn.Linear for m in drafter.layers.modules())
-    install(drafter.layers, {f"{m.out_features}x{m.in_features}": forced(packed="bf16:4")
+    install(drafter.layers, {f"{m.out_features}x{m.in_features}": forced(packed=lossy)
                              for m in drafter.layers.modules() if type(m) is torch.nn.Linear})
     assert sum(isinstance(m, TunedLinear) for m in drafter.layers.modules()) == layers
     engine = Engine(model, drafter, static_decide(Decision(4, 2, 8)), max_batch=max_batch)

@@ -110,7 +110,7 @@ def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_
         from worker.heads import ensure_heads
         from worker.heads.store import HeadsBundle
 
-        from worker.engine.kernels import is_tuned, tune_model
+        from worker.engine.kernels import DRAFT_ROW_GRID, is_tuned, tune_model
 
         directory = heads_dir or ensure_heads(kind, model_name, log=log_fn)
         bundle = HeadsBundle.load(directory, kind)
@@ -123,8 +123,8 @@ def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_
 
             drafter = EagleDrafter(bundle, model, max_depth=max_depth, max_width=max_width,
                                    max_tree_nodes=max_tree_nodes)
-        if is_tuned(model):  # tuned kernels for the heads too; bf16 allowed: the target verifies what they propose
-            tune_model(drafter.layers, allow_bf16=True, log=log_fn)
+        if is_tuned(model):  # tuned kernels for the heads too; lossy ones allowed: the target verifies what they propose
+            tune_model(drafter.layers, allow_lossy=True, rows=DRAFT_ROW_GRID, log=log_fn)
         return drafter
     raise ValueError(f"unknown drafter {kind!r}: expected none, ngram, medusa or eagle")
 

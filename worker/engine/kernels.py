@@ -35,9 +35,14 @@ verified by the target, so greedy decoding stays lossless whatever it
 computes — can also take ``bf16:<hint>``: its weights packed in bfloat16 for
 oneDNN's AVX-512 BF16 kernels (inputs rounded to bfloat16, accumulation and
 output in fp32). Streaming half the bytes, it ran SmolLM2's MLP stack in
-4.1–4.8 ms for 1–6 rows against 7.4–11.6 ms for fp32 oneDNN. The target
-never gets it (``allow_bf16`` is off by default): its numbers define the
-output every speculative step must reproduce.
+4.1–4.8 ms for 1–6 rows against 7.4–11.6 ms for fp32 oneDNN. Such a layer
+can also take ``int8``: weights quantised to int8 per output channel
+(symmetric), activations per call, fbgemm's integer GEMM with fp32 out
+(torch's dynamic-quantisation kernels): a quarter of the bytes and integer
+multiply-adds where the CPU has no bf16 ones; ~2 % relative error on
+random weights. The target never gets either (``allow_lossy`` is off by
+default): its numbers define the output every speculative step must
+reproduce.
 
 Tables are cached per (CPU, torch, threads, shapes, candidates) under
 ``$XDG_CACHE_HOME/specctl/kernels/``. The packed weights are copies: the
@@ -47,9 +52,11 @@ tuned layer falls back to ``F.linear`` on the original weight).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,15 +65,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BF16", "DENSE", "ONEDNN", "PACK_HINTS", "ROW_GRID", "Dispatch", "KernelReport", "ShapeTiming", "TunedLinear",
-           "install", "is_tuned", "kernels_available", "plan_dispatch", "tune", "tune_model"]
+__all__ = ["BF16", "DENSE", "DRAFT_ROW_GRID", "INT8", "ONEDNN", "PACK_HINTS", "ROW_GRID", "Dispatch", "KernelReport", "ShapeTiming", "TunedLinear",
+           "bf16_available", "install", "int8_available", "is_tuned", "kernels_available", "plan_dispatch", "tune", "tune_model"]
 
 DENSE = "dense"  # F.linear (MKL)
 ONEDNN = "onednn"  # "onednn:<hint>": fp32 weights prepacked for oneDNN
 BF16 = "bf16"  # "bf16:<hint>": bfloat16 weights prepacked for oneDNN (lossy; drafters only)
+INT8 = "int8"  # int8 weights per output channel, fbgemm's dynamic-quantised linear (lossy; drafters only)
 # Row counts timed: every count a decode or verify step of up to 8 rows × 8
 # nodes meets is at most one grid step away.
 ROW_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 56, 64, 80, 96, 128)
+# A drafter's forwards run one row per tree node of a level (≤ batch × width:
+# 32 at 8 × 4), the few past it being prompt ingests. Its layers are tuned on
+# this grid only: the packed kernel kept is the one cheapest summed over the
+# grid, and on the full grid the 40–128-row costs, ten times the small ones,
+# would choose it (int8 wins 2–4× up to 8 rows, not at 128).
+DRAFT_ROW_GRID = tuple(r for r in ROW_GRID if r <= 32)
 PACK_HINTS = (4, 16, 64)  # oneDNN's "expected rows" for the weight layout
 # Matrices of one shape timed together: past the last-level cache, as in a forward.
 STREAM_BYTES = 48 << 20
@@ -78,8 +92,39 @@ def kernels_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _pack(weight: torch.Tensor, kernel: str) -> torch.Tensor:
-    """The weight copy ``kernel`` (``onednn:<hint>`` or ``bf16:<hint>``) runs on."""
+@functools.cache
+def bf16_available() -> bool:
+    """oneDNN packs bf16 weights on this CPU (it needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; on a plain AVX2 CPU the packing itself raises)."""
+    if not kernels_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 4)
+    except RuntimeError:
+        return False
+    return True
+
+
+def int8_available() -> bool:
+    """torch's dynamic-quantised linear (``quantized::linear_dynamic``) is in this build."""
+    return hasattr(torch.ops.quantized, "linear_dynamic") and "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _pack_int8(weight: torch.Tensor):
+    """``weight`` ``[out, in]`` as int8 with one scale per output row
+    (symmetric: ``w ≈ scale_o · q``, ``q`` in [-127, 127]), packed for fbgemm."""
+    w = weight.detach().float().contiguous()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+    with warnings.catch_warnings():  # torch marks quantised tensors deprecated; its kernels still take only them
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_channel(w, scales.double(), torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(q, None)
+
+
+def _pack(weight: torch.Tensor, kernel: str):
+    """The weight copy ``kernel`` (``onednn:<hint>``, ``bf16:<hint>`` or ``int8``) runs on."""
+    if kernel == INT8:
+        return _pack_int8(weight)
     family, hint = kernel.split(":", 1)
     w = weight.detach().contiguous()
     return torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16) if family == BF16 else w, int(hint))
@@ -89,11 +134,17 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + b`` on a packed copy, in ``x``'s dtype (a bf16 copy computes in bf16, adds the bias in fp32)."""
-    if packed.dtype == x.dtype:
+def _run_packed(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + b`` on a packed copy, in ``x``'s dtype (a bf16 copy computes
+    in bf16 and an int8 one in integers; both add the bias in fp32)."""
+    if not isinstance(packed, torch.Tensor):
+        # int8: each call quantises x per tensor to 7 bits (reduce_range: on CPUs without
+        # VNNI, u8·s8 pair sums saturate int16 at 8 bits) and rescales the int32 sums
+        out = torch.ops.quantized.linear_dynamic(x, packed, True)
+    elif packed.dtype == x.dtype:
         return _packed_linear(x, packed, bias)
-    out = _packed_linear(x.to(packed.dtype), packed, None).to(x.dtype)
+    else:
+        out = _packed_linear(x.to(packed.dtype), packed, None).to(x.dtype)
     return out if bias is None else out + bias
 
 
@@ -210,10 +261,12 @@ def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.n
     return found
 
 
-def candidates(hints: Iterable[int], allow_bf16: bool) -> list[str]:
-    """Kernel names timed: MKL, oneDNN fp32 per hint, and (lossy) oneDNN bf16 per hint."""
-    families = (ONEDNN, BF16) if allow_bf16 else (ONEDNN,)
-    return [DENSE] + [f"{f}:{h}" for f in families for h in hints]
+def candidates(hints: Iterable[int], allow_lossy: bool) -> list[str]:
+    """Kernel names timed: MKL, oneDNN fp32 per hint, and where allowed the
+    lossy ones this CPU and build run: oneDNN bf16 per hint and int8."""
+    families = (ONEDNN, BF16) if allow_lossy and bf16_available() else (ONEDNN,)
+    names = [DENSE] + [f"{f}:{h}" for f in families for h in hints]
+    return names + [INT8] if allow_lossy and int8_available() else names
 
 
 def _kernels(weights: list[torch.Tensor], names: list[str]) -> dict[str, Callable[[torch.Tensor], None]]:
@@ -242,7 +295,7 @@ def tune(weights: list[torch.Tensor], rows: tuple[int, ...] = ROW_GRID, kernels:
     padded 1 row to 2 and ran the target slower than torch's default
     kernels. ``progress`` is called once per row count and repetition."""
     out_f, in_f = weights[0].shape
-    runs = _kernels(weights, kernels or candidates(PACK_HINTS, allow_bf16=False))
+    runs = _kernels(weights, kernels or candidates(PACK_HINTS, allow_lossy=False))
     inputs = {r: torch.randn(r, in_f, dtype=weights[0].dtype) for r in rows}
     for run in runs.values():  # first touch: page in the packed copies
         run(inputs[rows[0]])
@@ -329,12 +382,12 @@ def install(model: torch.nn.Module, dispatch: dict[str, Dispatch]) -> int:
 
 
 def tune_model(model: torch.nn.Module, cache: bool = True, reps: int = 3, rows: tuple[int, ...] = ROW_GRID,
-               hints: tuple[int, ...] = PACK_HINTS, allow_bf16: bool = False, show_progress: bool = True,
+               hints: tuple[int, ...] = PACK_HINTS, allow_lossy: bool = False, show_progress: bool = True,
                log=print) -> KernelReport | None:
     """Time, choose and install row-count-aware kernels for ``model``'s
-    linear layers (fp32 on the CPU). ``allow_bf16``: bfloat16 kernels may be
-    chosen too — only for layers whose exact numbers do not matter (a
-    drafter's). Returns None, changing nothing, where oneDNN is missing or
+    linear layers (fp32 on the CPU). ``allow_lossy``: bfloat16 and int8
+    kernels may be chosen too — only for layers whose exact numbers do not
+    matter (a drafter's). Returns None, changing nothing, where oneDNN is missing or
     the model is elsewhere; a model tuned before is left as it is (its
     layers are no longer plain ``nn.Linear``)."""
     layers = _linears(model)
@@ -343,7 +396,7 @@ def tune_model(model: torch.nn.Module, cache: bool = True, reps: int = 3, rows: 
     weight = layers[0][2].weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    names = candidates(hints, allow_bf16)
+    names = candidates(hints, allow_lossy)
     by_shape: dict[str, list[torch.Tensor]] = {}
     for _, _, layer in layers:
         by_shape.setdefault(f"{layer.out_features}x{layer.in_features}", []).append(layer.weight.detach())
