@@ -5,6 +5,8 @@ and greedy decoding through the engine on tuned layers against plain
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -224,3 +226,27 @@ def test_a_drafter_on_lossy_kernels_leaves_greedy_decoding_lossless(tmp_path, mo
     assert sum(isinstance(m, TunedLinear) for m in drafter.layers.modules()) == layers
     engine = Engine(model, drafter, static_decide(Decision(4, 2, 8)), max_batch=max_batch)
     assert engine.generate(prompts, new) == refs
+
+
+@pytest.mark.model
+def test_a_worker_tunes_its_drafter_on_the_draft_rows_with_lossy_kernels_offered(tmp_path, monkeypatch):
+    """``build_drafter`` on a tuned target: the heads' layers are tuned too,
+    on the rows a draft level runs, lossy kernels among the candidates (this
+    path raised on CPUs without AVX-512 while bf16 was offered everywhere)."""
+    from worker.server import build_drafter
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    torch.set_num_threads(1)
+    model, vocab = tiny_llama(seed=0)
+    tune_model(model, reps=1, rows=(1, 2, 4, 8), show_progress=False, log=None)
+    vocab_map = torch.arange(0, vocab, 2)
+    HeadsBundle.build("eagle", EagleHead.config_from_target(model.config), vocab_map).save(tmp_path / "heads")
+    drafter = build_drafter("eagle", model, str(tmp_path / "heads"), "tiny", log_fn=lambda *_: None)
+    tuned = [m for m in drafter.layers.modules() if isinstance(m, TunedLinear)]
+    assert tuned and not any(type(m) is torch.nn.Linear for m in drafter.layers.modules())
+    assert all(len(m.dispatch.choices) == kernels.DRAFT_ROW_GRID[-1] for m in tuned)
+    tables = [json.loads(f.read_text())["timings"] for f in (tmp_path / "specctl" / "kernels").glob("*.json")]
+    assert len(tables) == 2  # the target's and the drafter's
+    lossy = {k for timed in tables for t in timed.values() for k in t["ms"]} - {DENSE, "onednn:4", "onednn:16",
+                                                                                "onednn:64"}
+    assert lossy == set(candidates(kernels.PACK_HINTS, allow_lossy=True)) - set(candidates(kernels.PACK_HINTS, False))

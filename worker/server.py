@@ -123,7 +123,8 @@ def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_
 
             drafter = EagleDrafter(bundle, model, max_depth=max_depth, max_width=max_width,
                                    max_tree_nodes=max_tree_nodes)
-        if is_tuned(model):  # tuned kernels for the heads too; lossy ones allowed: the target verifies what they propose
+        # Tuned kernels for the heads too, lossy ones allowed: the target verifies what they propose.
+        if is_tuned(model):
             tune_model(drafter.layers, allow_lossy=True, rows=DRAFT_ROW_GRID, log=log_fn)
         return drafter
     raise ValueError(f"unknown drafter {kind!r}: expected none, ngram, medusa or eagle")

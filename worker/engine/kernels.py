@@ -65,8 +65,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BF16", "DENSE", "DRAFT_ROW_GRID", "INT8", "ONEDNN", "PACK_HINTS", "ROW_GRID", "Dispatch", "KernelReport", "ShapeTiming", "TunedLinear",
-           "bf16_available", "install", "int8_available", "is_tuned", "kernels_available", "plan_dispatch", "tune", "tune_model"]
+__all__ = ["BF16", "DENSE", "DRAFT_ROW_GRID", "INT8", "ONEDNN", "PACK_HINTS", "ROW_GRID", "Dispatch", "KernelReport",
+           "ShapeTiming", "TunedLinear", "bf16_available", "install", "int8_available", "is_tuned", "kernels_available",
+           "plan_dispatch", "tune", "tune_model"]
 
 DENSE = "dense"  # F.linear (MKL)
 ONEDNN = "onednn"  # "onednn:<hint>": fp32 weights prepacked for oneDNN
@@ -387,9 +388,9 @@ def tune_model(model: torch.nn.Module, cache: bool = True, reps: int = 3, rows: 
     """Time, choose and install row-count-aware kernels for ``model``'s
     linear layers (fp32 on the CPU). ``allow_lossy``: bfloat16 and int8
     kernels may be chosen too — only for layers whose exact numbers do not
-    matter (a drafter's). Returns None, changing nothing, where oneDNN is missing or
-    the model is elsewhere; a model tuned before is left as it is (its
-    layers are no longer plain ``nn.Linear``)."""
+    matter (a drafter's). Returns None, changing nothing, where oneDNN is
+    missing or the model is elsewhere; a model tuned before is left as it is
+    (its layers are no longer plain ``nn.Linear``)."""
     layers = _linears(model)
     if not layers or not kernels_available():
         return None
