@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from worker.engine.attention import use_grouped_attention
+
 __all__ = [
     "KNOWN_GGUF",
     "GgufSource",
@@ -289,6 +291,8 @@ def load_model(
         Freeze the weights and give the linear layers row-count-aware CPU
         kernels (``worker.engine.kernels.tune_model``: timed on first use,
         then cached); inference only. Ignored off the CPU.
+        On the CPU the model also attends through
+        ``worker.engine.attention.grouped_sdpa_forward`` (no KV-head copies).
     log : callable
         Where the kernel summary goes (None: nowhere).
 
@@ -322,6 +326,7 @@ def load_model(
             _write_cache(where, model, tokenizer)
             source = "gguf"
     model = model.to(device=device, dtype=dtype).eval()
+    use_grouped_attention(model)  # the engine and any transformers peer attend alike
     kernels = None
     if tune_kernels:
         from worker.engine.kernels import tune_model

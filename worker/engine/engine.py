@@ -42,6 +42,7 @@ import torch
 
 from policies.table import Decision
 from worker.drafters.base import EMPTY_TREE, DraftContext, Drafter, DraftTree, PromptIngest
+from worker.engine.attention import use_grouped_attention
 from worker.engine.batch import RowOutcome, build_block, greedy_path, row_outcome
 from worker.engine.kv import BatchKV, SlotCache
 from worker.engine.sampling import sample_accept_tree
@@ -162,6 +163,7 @@ class Engine:
         if not temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         self.model = model
+        use_grouped_attention(model)  # verify blocks are masked multi-token queries: no KV-head copies
         self.base = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
         self._cache_kw = _cache_kwarg(type(self.base))
