@@ -18,9 +18,8 @@ through ``worker.engine.Engine`` with ``max_batch = batch``:
   target forwards are counted, so ``steps`` and ``mean_accepted`` compare
   with the engine's exactly. ``hf-generate`` / ``plain``: transformers' plain
   greedy ``generate`` the same way, the peer's own baseline
-  (``speedup_vs_hf_plain``): a transformers call decodes one whole prompt
-  uninterrupted, while the engines share the caches with a dozen others in
-  lockstep, so the engine's plain run is not the peer's fair baseline;
+  (``speedup_vs_hf_plain``). Both are stepped one target forward per round
+  in the lockstep below (``_SteppedGenerate``), like the engines;
 - ``ngram`` / ``medusa`` / ``eagle`` at ``static-dK`` (chains) and under the
   controller (policy = a preset name): an in-process controller on loopback,
   one ``SpeculationAgent`` per drafter; the agent observes the drafter's
@@ -31,8 +30,8 @@ through ``worker.engine.Engine`` with ``max_batch = batch``:
 
 Configurations run in lockstep: one engine per configuration, each with all
 the prompts, and the driver steps them in turn (one step each per round,
-the first engine rotating) and times every step; transformers' calls (one
-prompt each) are spread evenly over the rounds. A slow minute of this shared
+the first engine rotating) and times every step; transformers' generate
+takes its turns the same way, one forward each. A slow minute of this shared
 machine then falls on all configurations alike instead of on whichever ran
 in it. Greedy outputs do not depend on the configuration: one untimed plain
 pass first gives the reference and the oracle's truth.
@@ -40,7 +39,7 @@ pass first gives the reference and the oracle's truth.
 ``tokens_per_s``: generated tokens / wall time of the run (prefill, drafting,
 verification, Python overhead: everything). ``tokens_per_cpu_s``: the same
 over the CPU time of the engine's thread (``time.thread_time``; torch runs
-one intra-op thread, in that thread). On a machine shared with other
+one intra-op thread, in that thread; a transformers peer's own thread). On a machine shared with other
 processes the wall clock swings by tens of percent from minute to minute,
 while CPU time only counts the cycles the engine got, so
 ``speedup_vs_plain`` is computed on CPU time and ``speedup_vs_plain_wall``
@@ -53,6 +52,7 @@ from __future__ import annotations
 
 import json
 import time
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -114,15 +114,16 @@ class _Tally:
         self.verify_s += stats.verify_s
         self.lossless &= lossless
 
-    def add_hf(self, run: "EngineRun") -> None:
-        self.tokens += run.tokens
-        self.secs += run.seconds
-        self.cpu += run.tokens / run.tokens_per_cpu_s
-        self.steps += run.steps
-        self.row_steps += run.steps
-        self.accepted += run.mean_accepted * run.steps
-        self.lossless &= run.lossless
-        self.note = run.note
+    def add_peer(self, peer: "_SteppedGenerate", reference) -> None:
+        """A transformers peer's totals (time is added step by step by the caller)."""
+        tokens = sum(len(o) for o in peer.outputs)
+        self.tokens += tokens
+        self.steps += peer.forwards
+        self.row_steps += peer.forwards
+        self.accepted += tokens - peer.forwards
+        self.lossless &= peer.outputs == reference
+        self.note = (f"transformers generate(prompt_lookup_num_tokens={peer.k}), stepped in lockstep; batch 1 only"
+                     if peer.k else "transformers generate, greedy, stepped in lockstep; batch 1 only")
 
     def run(self, drafter: str, policy: str, batch: int) -> "EngineRun":
         steps = max(self.steps, 1)
@@ -241,9 +242,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
             specs.append(("none", "plain-repeat", None, None, None))
             if default_model is not None:
                 specs.append(("none", "plain-default-kernels", None, None, None, default_model))
-            # transformers' calls, batch 1 only: plain generate (k = 0) and prompt lookup at each depth
-            hf = [(k, i) for i in range(len(ids)) for k in (0, *depths)] if batch == 1 else []
-            _lockstep(model, Engine, specs, hf, ids, reference, batch, max_new_tokens, tallies)
+            # transformers' generate, batch 1 only: plain greedy (k = 0) and prompt lookup at each depth
+            hf_depths = (0, *depths) if batch == 1 else ()
+            _lockstep(model, Engine, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies)
             for d, agent in agents.items():
                 tallies[(d, policy, batch)].note = (f"plan v{agent.plan_version}; decision at this batch at the "
                                                     f"end: {agent.decide('probe', 200, batch)}")
@@ -289,93 +290,152 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     return 0
 
 
-def _lockstep(model, engine_cls, specs, hf, ids, reference, batch, max_new_tokens, tallies) -> None:
+def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies) -> None:
     """Run every configuration of ``specs`` side by side, one engine step each
     in turn (the starting engine rotates every round), timing each step.
 
     ``specs``: ``(drafter name, policy, drafter, decide, observer[, model])``
     (``model`` when not the shared one); every engine gets all prompts with
-    ``max_batch = batch``. ``hf``: ``(depth,
-    prompt index)`` calls of transformers' prompt lookup, spread evenly over
-    the rounds (a call is one whole prompt: it cannot be stepped).
+    ``max_batch = batch``. ``hf_depths``: transformers' ``generate`` on the
+    shared model, one per depth (0: plain greedy, k: prompt lookup of k
+    tokens), each over all prompts one at a time and stepped one target
+    forward per round like the engines (``_SteppedGenerate``).
     """
     from worker.progress import ProgressBar
 
-    engines, requests = {}, {}
+    runners, requests = {}, {}
     for i, (name, pol, drafter, decide, observer, *own_model) in enumerate(specs):
         key = (name, pol, batch)
-        engines[key] = engine_cls(own_model[0] if own_model else model, drafter, decide, observer=observer,
+        runners[key] = engine_cls(own_model[0] if own_model else model, drafter, decide, observer=observer,
                                   max_batch=batch)
-        requests[key] = [engines[key].submit(p, max_new_tokens) for p in ids]
+        requests[key] = [runners[key].submit(p, max_new_tokens) for p in ids]
         tallies[key] = _Tally()
         if i == 0:  # the peer's rows right after plain's
-            for k in dict.fromkeys(k for k, _ in hf):
+            for k in hf_depths:
+                runners[_hf_key(k)] = _SteppedGenerate(model, ids, max_new_tokens, k)
                 tallies[_hf_key(k)] = _Tally()
     expected_rounds = max(1, len(ids) * max_new_tokens // batch)
-    hf_every = max(1, expected_rounds // max(len(hf), 1))
-    hf = list(hf)
-    bar = ProgressBar(expected_rounds, f"bench engine, batch {batch} ({len(specs)} engines in lockstep)")
+    bar = ProgressBar(expected_rounds, f"bench engine, batch {batch} ({len(runners)} configurations in lockstep)")
     rounds = 0
-    while True:
-        live = [key for key, e in engines.items() if e.has_work()]
-        if not live:
-            break
-        shift = rounds % len(live)
-        for key in live[shift:] + live[:shift]:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            engines[key].step()
-            tallies[key].secs += time.perf_counter() - t0
-            tallies[key].cpu += time.thread_time() - c0
-        if hf and rounds % hf_every == 0:
-            _hf_call(model, ids, reference, max_new_tokens, hf.pop(0), tallies)
-        rounds += 1
-        bar.update(1)
-    while hf:
-        _hf_call(model, ids, reference, max_new_tokens, hf.pop(0), tallies)
-    bar.close()
-    for key, engine in engines.items():
-        tallies[key].add_stats(engine.stats, [r.output for r in requests[key]] == reference)
+    try:
+        while True:
+            live = [key for key, r in runners.items() if r.has_work()]
+            if not live:
+                break
+            shift = rounds % len(live)
+            for key in live[shift:] + live[:shift]:
+                runner = runners[key]
+                if isinstance(runner, _SteppedGenerate):
+                    secs, cpu = runner.step()
+                else:
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    runner.step()
+                    secs, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                tallies[key].secs += secs
+                tallies[key].cpu += cpu
+            rounds += 1
+            bar.update(1)
+    finally:
+        for runner in runners.values():
+            if isinstance(runner, _SteppedGenerate):
+                runner.close()
+        bar.close()
+    for key, runner in runners.items():
+        if isinstance(runner, _SteppedGenerate):
+            tallies[key].add_peer(runner, reference)
+        else:
+            tallies[key].add_stats(runner.stats, [r.output for r in requests[key]] == reference)
 
 
 def _hf_key(k: int) -> tuple[str, str, int]:
     return ("hf-generate", "plain", 1) if k == 0 else ("hf-prompt-lookup", f"static-d{k}", 1)
 
 
-def _hf_call(model, ids, reference, max_new_tokens, call, tallies) -> None:
-    """One prompt through transformers' prompt lookup at depth k (0: plain greedy generate; batch 1)."""
-    k, i = call
-    tallies[_hf_key(k)].add_hf(_hf_prompt_lookup(model, [ids[i]], max_new_tokens, k, [reference[i]]))
+class _SteppedGenerate:
+    """transformers' ``generate`` (``k`` = 0: plain greedy; else prompt lookup
+    of ``k`` tokens) over ``ids`` one prompt at a time, one target forward
+    per :meth:`step`.
 
+    ``generate`` cannot be stepped from outside, so it runs in a thread of
+    its own, parked by a forward pre-hook on the model before every forward;
+    :meth:`step` lets one forward run, with the host work up to the next one
+    (candidate lookup, logits processing, stopping checks), and waits until
+    the thread parks again. The two threads never run at once. So the peer
+    meets the machine's slow minutes and the caches as the engines beside it
+    do, forward for forward, where a whole uninterrupted ``generate`` call
+    ran with caches the engines in lockstep never get (the engine's plain
+    decoding measured 1.06x slower than transformers' that way).
 
-@torch.inference_mode()
-def _hf_prompt_lookup(model, ids, max_new_tokens, k, reference) -> EngineRun:
-    """transformers' prompt lookup (``k`` = 0: plain greedy), one prompt at a
-    time. Its target forwards are counted with a forward hook, so its mean
-    accepted length is comparable with the engine's: steps are
-    deterministic under greedy decoding, unlike the clock."""
-    outs, tokens, forwards = [], 0, [0]
-    hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-    try:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        for p in ids:
-            x = torch.tensor([p])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=k or None)
-            o = y[0, len(p):].tolist()
-            outs.append(o)
-            tokens += len(o)
-        secs, cpu = time.perf_counter() - t0, time.thread_time() - c0
-    finally:
-        hook.remove()
-    # Assisted decoding runs the prompt and the first candidates in one
-    # forward: every forward is one step, emitting τ + 1 tokens.
-    steps = forwards[0]
-    name, policy, _ = _hf_key(k)
-    return EngineRun(name, policy, 1, tokens_per_s=tokens / secs, speedup_vs_plain=0.0,
-                     mean_accepted=(tokens - steps) / max(steps, 1), lossless=outs == reference,
-                     tokens=tokens, seconds=secs, tokens_per_cpu_s=tokens / cpu, steps=steps,
-                     note=("transformers generate(prompt_lookup_num_tokens); batch 1 only" if k
-                           else "transformers generate, greedy; batch 1 only"))
+    The hook counts forwards, so ``steps`` and ``mean_accepted`` compare
+    with the engine's exactly (steps are deterministic under greedy
+    decoding); assisted decoding runs the prompt and the first candidates in
+    one forward, so every forward is one step emitting τ + 1 tokens. CPU
+    time is the generate thread's own (``time.thread_time`` there).
+    """
+
+    def __init__(self, model, ids, max_new_tokens: int, k: int) -> None:
+        self.model, self.ids, self.max_new_tokens, self.k = model, ids, max_new_tokens, k
+        self.outputs: list[list[int]] = []
+        self.forwards = 0
+        self._cpu = 0.0  # the generate thread's CPU seconds when it last parked
+        self._cpu_reported = 0.0
+        self._go = threading.Event()
+        self._parked = threading.Event()
+        self._closing = False
+        self._finished = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"hf-generate-k{k}", daemon=True)
+        self._hook = model.register_forward_pre_hook(self._before_forward)
+        self._thread.start()
+        self._parked.wait()
+
+    def _before_forward(self, module, args) -> None:
+        if threading.get_ident() != self._thread.ident:
+            return  # another peer's thread, or an engine: not ours to park
+        if self._closing:
+            raise RuntimeError("benchmark stopped")
+        self.forwards += 1
+        self._cpu = time.thread_time()
+        self._parked.set()
+        self._go.wait()
+        self._go.clear()
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                for p in self.ids:
+                    x = torch.tensor([p])
+                    y = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                            max_new_tokens=self.max_new_tokens,
+                                            prompt_lookup_num_tokens=self.k or None)
+                    self.outputs.append(y[0, len(p):].tolist())
+        except BaseException as err:  # re-raised by step()
+            self._error = err
+        finally:
+            self._cpu = time.thread_time()
+            self._finished = True
+            self._parked.set()
+
+    def has_work(self) -> bool:
+        return not self._finished
+
+    def step(self) -> tuple[float, float]:
+        """Let one forward run; ``(wall seconds, CPU seconds)`` it took."""
+        t0 = time.perf_counter()
+        self._parked.clear()
+        self._go.set()
+        self._parked.wait()
+        if self._error is not None and not self._closing:
+            raise RuntimeError(f"transformers generate (k={self.k}) failed") from self._error
+        cpu, self._cpu_reported = self._cpu - self._cpu_reported, self._cpu
+        return time.perf_counter() - t0, cpu
+
+    def close(self) -> None:
+        """Unhook and let a thread still parked run out (it raises at its next forward)."""
+        self._hook.remove()
+        self._closing = True
+        self._go.set()
+        self._thread.join(timeout=60)
 
 
 def _fitted_costs(address: str, batches, context_len: float = 200.0) -> dict:
