@@ -399,6 +399,8 @@ class _SteppedGenerate:
         self._parked.set()
         self._go.wait()
         self._go.clear()
+        if self._closing:  # released by close(): stop instead of running on unparked
+            raise RuntimeError("benchmark stopped")
 
     def _run(self) -> None:
         try:
@@ -431,11 +433,11 @@ class _SteppedGenerate:
         return time.perf_counter() - t0, cpu
 
     def close(self) -> None:
-        """Unhook and let a thread still parked run out (it raises at its next forward)."""
-        self._hook.remove()
+        """Stop a thread still parked (it raises instead of running its forward), then unhook."""
         self._closing = True
         self._go.set()
         self._thread.join(timeout=60)
+        self._hook.remove()
 
 
 def _fitted_costs(address: str, batches, context_len: float = 200.0) -> dict:

@@ -31,7 +31,7 @@ def test_peer_runs_exactly_one_forward_per_step_and_decodes_as_generate(k):
     peer = _SteppedGenerate(model, ids, 9, k)
     try:
         assert ran[0] == 0 and peer.has_work()  # parked before its first forward
-        steps = cpu = 0.0
+        steps, cpu = 0, 0.0
         while peer.has_work():
             before = ran[0]
             secs, step_cpu = peer.step()
@@ -46,13 +46,17 @@ def test_peer_runs_exactly_one_forward_per_step_and_decodes_as_generate(k):
     assert peer.forwards == ran[0] == steps  # the last turn also runs generate out
     assert cpu > 0
     decode_lens = [n for n in query_lens if n <= k + 1]  # past the prefills
-    assert max(decode_lens) == k + 1 if k else set(decode_lens) == {1}  # lookup drafts reached the target
+    assert (max(decode_lens) == k + 1) if k else (set(decode_lens) == {1})  # lookup drafts reached the target
 
 
-def test_closing_a_peer_mid_run_releases_its_thread():
+def test_closing_a_peer_mid_run_stops_it_at_its_next_forward():
     model, vocab = tiny_llama(seed=5)
-    peer = _SteppedGenerate(model, [[1, 2, 3, 4]], 20, 0)
+    ran = [0]
+    counter = model.register_forward_hook(lambda *_: ran.__setitem__(0, ran[0] + 1))
+    peer = _SteppedGenerate(model, [[1, 2, 3, 4], [5, 6, 7]], 20, 0)
     peer.step()
     peer.close()
+    counter.remove()
     assert not peer._thread.is_alive()
     assert not model._forward_pre_hooks
+    assert ran[0] == 1 and peer.outputs == []  # the forward it was parked before never ran, nor the rest
