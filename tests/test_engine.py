@@ -208,6 +208,25 @@ def test_eos_stops_a_row_and_mixed_decisions(tiny):
 
 
 @pytest.mark.model
+def test_the_prefill_emits_the_first_token(tiny):
+    """A request's first token comes from its prefill, as in ``generate``: a
+    one-token budget finishes at admission without a verify step, and the
+    first step's root is that token (its context is the whole prompt)."""
+    model, vocab, prompts, refs = tiny
+    rec = Recorder()
+    engine = Engine(model, None, observer=rec, max_batch=4)
+    one = engine.submit(prompts[0], 1, request_id="one")
+    two = engine.submit(prompts[3], 3, request_id="two")  # the one-token prompt
+    assert engine.step() == [one]
+    assert one.output == refs[0][:1] and one.steps == 0 and one.t_first_token > 0
+    assert [r.context_len for r in rec.steps[0].requests] == [len(prompts[3])]
+    assert engine.kv.batch == 1  # the finished row left the batch and the cache
+    engine.run()
+    assert two.output == refs[3][:3] and two.steps == 2
+    assert engine.stats.steps == 2 and engine.stats.tokens == 4
+
+
+@pytest.mark.model
 def test_eagle_prefills_its_head_at_admission(tiny):
     """EAGLE's head runs over the prompt when the request is admitted (timed
     with the prefill), so the first step that drafts after a run of off steps
@@ -222,9 +241,10 @@ def test_eagle_prefills_its_head_at_admission(tiny):
     req = engine.submit(prompts[0], NEW)
     for _ in range(4):
         engine.step()
-    # admission: the 8 features of the 9-token prompt; steps 1-3 off; step 4 drafts after ingesting the
-    # features of the roots of steps 1-3, then expands one level (one query per row)
-    assert pairs_run == [len(prompts[0]) - 1, 3, 1]
+    # admission: the features of all 9 prompt tokens (the prefill emitted the first root); steps 1-3 off;
+    # step 4 drafts after ingesting the features of the roots of steps 1-3, then expands one level
+    # (one query per row)
+    assert pairs_run == [len(prompts[0]), 3, 1]
     engine.run()
     assert req.output == refs[0][:NEW]
 
@@ -270,11 +290,12 @@ def test_telemetry_is_measured_and_valid(tiny, decision):
                 assert r.depth == 0 and r.nodes == 0 and not r.accepted_rank
             else:
                 assert r.depth <= decision.depth and r.nodes <= decision.max_nodes
-    # context length = tokens in the KV cache before the step: prompt - 1 + generated so far
+    # context length = tokens in the KV cache before the step: prompt - 1 + generated so far (the prefill
+    # cached the whole prompt and emitted the first token, the first step's root)
     first = {r.request_id: r.context_len for s in rec.steps[:1] for r in s.requests}
     for rid, ctx in first.items():
-        assert ctx == len(prompts[int(rid[1:])]) - 1
-    generated = {f"r{i}": 0 for i in range(5)}
+        assert ctx == len(prompts[int(rid[1:])])
+    generated = {f"r{i}": 1 for i in range(5)}
     for step in rec.steps:
         for r in step.requests:
             assert r.context_len == len(prompts[int(r.request_id[1:])]) - 1 + generated[r.request_id]
@@ -299,8 +320,8 @@ def test_kv_repack_keeps_outputs(tiny):
 def test_batchkv_select_merge_repack_bookkeeping(tiny):
     model = tiny[0]
     engine = Engine(model)
-    a, _ = engine._prefill([[1, 2, 3, 4], [5, 6]])
-    b, _ = engine._prefill([[7, 8, 9, 10, 11, 12]])
+    a, _, _ = engine._prefill([[1, 2, 3], [5]])
+    b, _, _ = engine._prefill([[7, 8, 9, 10, 11]])
     a.merge(b)
     assert a.valid.tolist() == [[False, False, True, True, True], [False, False, False, False, True],
                                 [True, True, True, True, True]]
@@ -321,7 +342,7 @@ def test_batchkv_compact_moves_only_what_a_path_moved(tiny):
     keeps its entries where they are (a rejected tail becomes a hole); a row
     whose path skips an entry gets the later entry moved down."""
     model = tiny[0]
-    kv, _ = Engine(model)._prefill([[1, 2, 3], [4, 5, 6]])  # 2 cached slots per row
+    kv, _, _ = Engine(model)._prefill([[1, 2], [4, 5]])  # 2 cached slots per row
     layer = kv.cache.layers[0]
     block_k = torch.randn(2, layer._k.shape[1], 3, layer._k.shape[3])  # [batch, heads, block, dim]
     for lyr in kv.cache.layers:

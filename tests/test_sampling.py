@@ -245,39 +245,53 @@ ENGINE_TREE = [-1, -1, 0, 0]
 
 @pytest.fixture(scope="module")
 def tiny_laws():
-    """The tiny model, a prompt, the target's law of the first new token and
-    the marginal law of the second (Σ_x p(x) p(. | x))."""
+    """The tiny model, a prompt and the target's laws of the first three new
+    tokens: ``p1`` of the first (the prefill samples it), ``p2_given[x1]`` /
+    ``p3_given[x1, x2]`` of the next ones given those before (the first
+    step, which drafts, decides the second and third), and the marginals
+    ``p2`` = Σ p1(x1) p2(. | x1), ``p3`` likewise."""
     torch.set_num_threads(1)
     model, vocab = tiny_llama(seed=0)
     prompt = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(11)).tolist()
+    law = lambda ids: torch.softmax(model(ids).logits[:, -1] / TEMPERATURE, -1)  # noqa: E731
     with torch.inference_mode():
-        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / TEMPERATURE, -1)
-        ext = torch.cat([torch.tensor([prompt]).expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
-        p2_given = torch.softmax(model(ext).logits[:, -1] / TEMPERATURE, -1)  # [vocab, vocab]
-    return model, vocab, prompt, p1, p1 @ p2_given, p2_given
+        p1 = law(torch.tensor([prompt]))[0]
+        after = torch.arange(vocab)
+        ext = torch.cat([torch.tensor([prompt]).expand(vocab, -1), after[:, None]], 1)
+        p2_given = law(ext)  # [vocab, vocab]
+        ext2 = torch.cat([ext.repeat_interleave(vocab, 0), after.repeat(vocab)[:, None]], 1)
+        p3_given = law(ext2).view(vocab, vocab, vocab)  # [x1, x2, vocab]
+    p2 = p1 @ p2_given
+    p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    return model, vocab, prompt, (p1, p2, p3), p2_given, p3_given
 
 
 class TopTwoOfTarget:
-    """Deterministic ``ENGINE_TREE`` trees: on the shared prompt, the
-    target's own top-2 and the first one's top-2 (likely tokens, so a
-    biased verifier shows); elsewhere fixed tokens."""
+    """Deterministic ``ENGINE_TREE`` trees: on the first step (the root is
+    the first token x1, from the prefill) the target's own top-2 of the
+    second token and the first one's top-2 of the third (likely tokens, so
+    a biased verifier shows); elsewhere fixed tokens."""
 
     kind = "test-top2"
     needs_hidden = False
     version = "test"
 
-    def __init__(self, prompt, p1, p2_given):
+    def __init__(self, prompt, p2_given, p3_given):
         from policies.base import DrafterLimits
 
         self.limits = DrafterLimits(self.kind, self.version, 2, 2, 4)
-        first = p1.topk(2).indices.tolist()
-        self.on_prompt = first + p2_given[first[0]].topk(2).indices.tolist()
+        self.p2_given, self.p3_given = p2_given, p3_given
         self.prompt_len = len(prompt)
+
+    def _first_step(self, x1: int) -> list[int]:
+        second = self.p2_given[x1].topk(2).indices.tolist()
+        return second + self.p3_given[x1, second[0]].topk(2).indices.tolist()
 
     def propose(self, contexts, decisions):
         out = []
         for ctx in contexts:
-            tokens = self.on_prompt if len(ctx.tokens) == self.prompt_len else [1, 2, 3, 4]
+            on_first = len(ctx.tokens) == self.prompt_len + 1
+            tokens = self._first_step(ctx.tokens[-1]) if on_first else [1, 2, 3, 4]
             out.append(DraftTree(list(ENGINE_TREE), list(tokens), [0.6, 0.4, 0.6, 0.4]))
         return out
 
@@ -289,8 +303,8 @@ class SampledFromFixedLaw(TopTwoOfTarget):
     """``ENGINE_TREE`` trees whose siblings are drawn without replacement
     from a fixed law ``q`` (independent of the context), ``proposal`` set."""
 
-    def __init__(self, prompt, p1, p2_given, vocab, seed=5):
-        super().__init__(prompt, p1, p2_given)
+    def __init__(self, prompt, p2_given, p3_given, vocab, seed=5):
+        super().__init__(prompt, p2_given, p3_given)
         gen = torch.Generator().manual_seed(seed)
         self.q = torch.softmax(torch.randn(vocab, generator=gen) * 2, -1)
         self.gen = gen
@@ -304,32 +318,30 @@ class SampledFromFixedLaw(TopTwoOfTarget):
         return out
 
 
-def _engine_pvalues(model, drafter, prompt, p1, p2, seed=0) -> tuple[float, float]:
+def _engine_pvalues(model, drafter, prompt, laws, seed=0) -> list[float]:
+    """p-values of the first three tokens of ``ROWS`` sampled answers against their laws."""
     engine = Engine(model, drafter, static_decide(Decision(2, 2, 4)), max_batch=ROWS, temperature=TEMPERATURE,
                     seed=seed)
-    outs = engine.generate([prompt] * ROWS, 2)
-    first = torch.tensor([o[0] for o in outs])
-    second = torch.tensor([o[1] for o in outs])
+    outs = engine.generate([prompt] * ROWS, 3)
     assert engine.stats.accepted > 0  # the drafts were really verified, not bypassed
-    return _chi2_pvalue(first, p1), _chi2_pvalue(second, p2)
+    return [_chi2_pvalue(torch.tensor([o[i] for o in outs]), law) for i, law in enumerate(laws)]
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("drafter", ["top2-of-target", "sampled-q"])
-def test_engine_sampling_follows_the_target_first_and_second_token(tiny_laws, drafter):
-    model, vocab, prompt, p1, p2, p2_given = tiny_laws
-    d = (TopTwoOfTarget(prompt, p1, p2_given) if drafter == "top2-of-target"
-         else SampledFromFixedLaw(prompt, p1, p2_given, vocab))
-    first, second = _engine_pvalues(model, d, prompt, p1, p2)
-    assert first > PASS and second > PASS
+def test_engine_sampling_follows_the_target_first_three_tokens(tiny_laws, drafter):
+    model, vocab, prompt, laws, p2_given, p3_given = tiny_laws
+    d = (TopTwoOfTarget(prompt, p2_given, p3_given) if drafter == "top2-of-target"
+         else SampledFromFixedLaw(prompt, p2_given, p3_given, vocab))
+    assert min(_engine_pvalues(model, d, prompt, laws)) > PASS
 
 
 @pytest.mark.model
 def test_engine_with_broken_verification_fails_the_check(tiny_laws, monkeypatch):
-    model, vocab, prompt, p1, p2, p2_given = tiny_laws
+    model, vocab, prompt, laws, p2_given, p3_given = tiny_laws
     monkeypatch.setattr(engine_module, "sample_accept_tree", forget_residual)
-    first, second = _engine_pvalues(model, TopTwoOfTarget(prompt, p1, p2_given), prompt, p1, p2)
-    assert min(first, second) < FAIL
+    # the first token comes from the prefill, with nothing drafted: the drafted ones must show the bias
+    assert min(_engine_pvalues(model, TopTwoOfTarget(prompt, p2_given, p3_given), prompt, laws)[1:]) < FAIL
 
 
 def test_engine_refuses_a_negative_temperature():

@@ -10,9 +10,10 @@ whose KV the target has not computed yet).
 Hidden states: ``DraftContext.hidden`` carries the target's last hidden
 state (after the final norm: the LM head's input) for the tokens committed
 since the previous call, *excluding* the root, i.e. rows
-``tokens[-1 - m : -1]`` for ``m = hidden.shape[0]``. On a request's first
-call it covers the prompt minus its last token, unless the drafter took the
-prompt at admission (``PromptIngest``). Drafters that do not need them
+``tokens[-1 - m : -1]`` for ``m = hidden.shape[0]``. The prefill emits a
+request's first token, so on its first call the root is that token and
+``hidden`` covers the whole prompt, unless the drafter took the prompt at
+admission (``PromptIngest``). Drafters that do not need them
 (``needs_hidden = False``) get ``None``.
 """
 
@@ -122,9 +123,9 @@ class PromptIngest(Protocol):
     what every later one costs."""
 
     def ingest_prompts(self, contexts: Sequence[DraftContext]) -> None:
-        """``contexts``: one per admitted request, ``tokens`` = the prompt,
-        ``hidden`` = the features of all its tokens but the last (``None``
-        for a one-token prompt)."""
+        """``contexts``: one per admitted request, ``tokens`` = the prompt
+        and the first token the prefill emitted (the first root), ``hidden``
+        = the features of every prompt token."""
         ...
 
 

@@ -2,10 +2,12 @@
 
 One ``Engine.step()``:
 
-1. **admit** waiting requests (up to ``max_batch`` rows): prefill them
-   together (left-padded) into a fresh ``BatchKV`` and merge it into the
-   batch's; a drafter with a prefill of its own (``PromptIngest``: EAGLE's
-   head over the prompt's features) runs it here;
+1. **admit** waiting requests (up to ``max_batch`` rows): prefill their
+   whole prompts together (left-padded) into a fresh ``BatchKV``, merge it
+   into the batch's, and take each request's first token from the logits
+   after its last prompt token (argmax, or a sample), as ``generate`` does;
+   a drafter with a prefill of its own (``PromptIngest``: EAGLE's head over
+   the prompt's features) runs it here;
 2. **decide** per row: ``decide(request_id, context_len, batch_size)`` →
    ``Decision`` (``SpeculationAgent.decide`` or any callable), clamped to the
    drafter's limits; depth 0 = plain decoding for that row;
@@ -239,85 +241,76 @@ class Engine:
 
     # ------------------------------------------------------------ admission
     @torch.inference_mode()
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        """Admit waiting requests; those already done (no budget, or the first
+        token ends them)."""
         joiners: list[Request] = []
         with self._lock:
             while self._waiting and len(self.rows) + len(joiners) < self.max_batch:
                 joiners.append(self._waiting.popleft())
         if not joiners:
-            return
+            return []
         t0 = time.perf_counter()
-        now = time.perf_counter()
         done_now = []
         live = []
         for req in joiners:
-            req.t_admit = now
+            req.t_admit = t0
             if req.max_new_tokens <= 0:
                 done_now.append(req)
             else:
                 live.append(req)
         if live:
-            fresh, hidden = self._prefill([r.prompt for r in live])
+            fresh, hidden, last_logits = self._prefill([r.prompt for r in live])
             self.kv.merge(fresh)
-            wants_hidden = self.drafter is not None and self.drafter.needs_hidden
-            ingest_now = isinstance(self.drafter, PromptIngest)
+            # The prefill's last logits give every request its first token, as a
+            # step's bonus token would: the token becomes the first root.
+            firsts = self._accept([EMPTY_TREE] * len(live), last_logits, [1] * len(live))
             rows = [_Row(req, list(req.prompt)) for req in live]
-            if ingest_now:  # the draft prefill, timed with the target's
-                self.drafter.ingest_prompts([DraftContext(row.req.request_id, row.tokens, h, len(row.tokens))
+            first_row = len(self.rows)
+            self.rows.extend(rows)
+            finished = [first_row + i for i, (row, o) in enumerate(zip(rows, firsts))
+                        if self._emit(row, o.tokens, time.perf_counter())]
+            wants_hidden = self.drafter is not None and self.drafter.needs_hidden
+            if isinstance(self.drafter, PromptIngest):  # the draft prefill, timed with the target's
+                self.drafter.ingest_prompts([DraftContext(row.req.request_id, row.tokens, h, len(row.req.prompt))
                                              for row, h in zip(rows, hidden)])
             elif wants_hidden:
                 for row, h in zip(rows, hidden):
-                    if h is not None:
-                        row.pending.append(h)
-            self.rows.extend(rows)
+                    row.pending.append(h)
+            done_now += self._drop(finished)
         self.stats.prefill_s += time.perf_counter() - t0
         for req in done_now:
             self._finish_request(req)
+        return done_now
 
-    def _kv_shape(self) -> tuple[int, int]:
-        cfg = self.model.config
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return heads, dim
-
-    def _prefill(self, prompts: list[list[int]]) -> tuple[BatchKV, list[torch.Tensor | None]]:
-        """Prompts minus their last token into a fresh cache (left-padded)."""
+    def _prefill(self, prompts: list[list[int]]) -> tuple[BatchKV, list[torch.Tensor], torch.Tensor]:
+        """Whole prompts into a fresh cache (left-padded): the cache, each
+        prompt's features ``[len, hidden]`` and the logits after its last
+        token ``[batch, vocab]``."""
         b = len(prompts)
-        width = max(len(p) for p in prompts) - 1
+        width = max(len(p) for p in prompts)
         cache = SlotCache.for_model(self.model)
         valid = torch.zeros(b, width, dtype=torch.bool, device=self.device)
-        hidden: list[torch.Tensor | None] = [None] * b
-        if width == 0:
-            heads, dim = self._kv_shape()
-            dtype = self.model.dtype
-            for layer in cache.layers:
-                z = torch.zeros(b, heads, 0, dim, dtype=dtype, device=self.device)
-                layer.set(z, z)
-            return BatchKV(cache, valid), hidden
         ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
         for i, p in enumerate(prompts):
-            n = len(p) - 1
-            if n:
-                ids[i, width - n :] = torch.tensor(p[:-1])
-                valid[i, width - n :] = True
+            ids[i, width - len(p) :] = torch.tensor(p)
+            valid[i, width - len(p) :] = True
         ids = ids.to(self.device)
         mask = valid.long()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                         **{self._cache_kw: cache})
-        h = out.last_hidden_state  # [b, width, hidden]
-        for i, p in enumerate(prompts):
-            n = len(p) - 1
-            hidden[i] = h[i, width - n :].clone() if n else None
-        return BatchKV(cache, valid), hidden
+        h = out.last_hidden_state  # [b, width, hidden]; left padding: the last column is real in every row
+        hidden = [h[i, width - len(p) :].clone() for i, p in enumerate(prompts)]
+        return BatchKV(cache, valid), hidden, self.lm_head(h[:, -1])  # logits [b, vocab]
 
     # ------------------------------------------------------------ the step
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""
-        self._admit()
+        admitted_done = self._admit()
         if not self.rows:
-            return []
+            return admitted_done
         batch = len(self.rows)
         ctx = self.kv.real_lengths().tolist()
         decisions = self._decisions(ctx, batch)
@@ -343,7 +336,7 @@ class Engine:
 
         if self.kv.maybe_repack(self.repack_hole_fraction):
             self.stats.repacks += 1
-        return self._commit(decisions, trees, outcomes, hidden, ctx, t1 - t0, t2 - t1)
+        return admitted_done + self._commit(decisions, trees, outcomes, hidden, ctx, t1 - t0, t2 - t1)
 
     def _accept(self, trees: list[DraftTree], logits: torch.Tensor, sizes: list[int]) -> list[RowOutcome]:
         """Per row: the accepted path and the token after it; ``logits``
@@ -416,17 +409,10 @@ class Engine:
             ))
             if wants_hidden:
                 row.pending.append(hidden[b, o.path].clone())
-            row.tokens.extend(o.tokens)
             req.steps += 1
             req.accepted_tokens += o.accepted
-            if not req.output:
-                req.t_first_token = now
-            for tok in o.tokens:
-                req.output.append(tok)
-                self.stats.tokens += 1
-                if tok in req.eos_token_ids or len(req.output) >= req.max_new_tokens:
-                    finished.append(b)
-                    break
+            if self._emit(row, o.tokens, now):
+                finished.append(b)
             self.stats.row_steps += 1
             self.stats.spec_row_steps += depth > 0
             self.stats.draft_nodes += tree.num_nodes
@@ -437,14 +423,33 @@ class Engine:
         if self.observer is not None:
             self.observer.observe(StepTelemetry(next(_STEP_IDS), time.time(), len(self.rows), draft_s * 1e3,
                                                 verify_s * 1e3, telemetry))
+        done = self._drop(finished)
+        for req in done:
+            self._finish_request(req)
+        return done
+
+    def _emit(self, row: _Row, tokens: list[int], now: float) -> bool:
+        """Commit ``tokens`` to the row, cut at EOS / ``max_new_tokens``;
+        True when that finished the request."""
+        req = row.req
+        row.tokens.extend(tokens)
+        if not req.output:
+            req.t_first_token = now
+        for tok in tokens:
+            req.output.append(tok)
+            self.stats.tokens += 1
+            if tok in req.eos_token_ids or len(req.output) >= req.max_new_tokens:
+                return True
+        return False
+
+    def _drop(self, finished: list[int]) -> list[Request]:
+        """Take rows ``finished`` (indices) out of the batch and its cache; their requests."""
         done = [self.rows[b].req for b in finished]
         if finished:
             gone = set(finished)
             keep = [b for b in range(len(self.rows)) if b not in gone]
             self.rows = [self.rows[b] for b in keep]
             self.kv.select(keep)
-            for req in done:
-                self._finish_request(req)
         return done
 
     def _finish_request(self, req: Request) -> None:
