@@ -91,8 +91,11 @@ async def test_scrape_reports_acceptance_plans_and_rejections(server) -> None:
         loads = [(1, SHORT), (4, SHORT), (2, LONG)]
         sent = await feed(agent, worker, loads, rounds=40, decide=lambda rid, ctx, b: Decision.chain(4))
         sent += await feed(agent, worker, loads, rounds=30)
-        await wait_for(lambda: agent.plan_version >= 1 and ctl.workers["w0"].steps_total == len(sent))
-        await wait_for(lambda: not ctl.workers["w0"].pending)
+        w0 = ctl.workers["w0"]
+        # Settled: every step ingested and planned on (no recompute is due any more) and every
+        # plan acknowledged, so the plan, the metrics and the status below describe one state.
+        await wait_for(lambda: agent.plan_version >= 1 and w0.steps_total == len(sent) and w0.new_steps == 0
+                       and not w0.pending)
         await wait_for(lambda: "w0" in server.status_site.history.latest_speedups())
         rejection = await send_bad_report(server.address)
         assert rejection.rejection.field.endswith("accepted")
@@ -170,11 +173,15 @@ async def test_scrape_reports_acceptance_plans_and_rejections(server) -> None:
         assert plan_summary(ws.plan, ws.mean_context_len) == plan_summary(
             plan_to_proto(table, 1, "", "goodput", 0.0, 0.0), ws.mean_context_len)
         assert estimated_speedup(ws) > 1.0  # memory-bound at batch ≤ 4, α = 0.8: speculation pays
+        # The table and the figure it must show come from one snapshot: plans keep being
+        # recomputed, so a second fetch may already carry another estimate.
+        status = await asyncio.to_thread(fetch_status, server.address)
+        (shown,) = [w for w in status.workers if w.hello.worker_id == "w0"]
         console = Console(width=250, record=True)
-        for t in render_status(await asyncio.to_thread(fetch_status, server.address)):
+        for t in render_status(status):
             console.print(t)
         text = console.export_text()
-        assert "est. speedup" in text and f"{estimated_speedup(ws):.2f}×" in text
+        assert "est. speedup" in text and f"{estimated_speedup(shown):.2f}×" in text
     finally:
         agent.stop()
 
