@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 from policies.table import Decision
+from worker.threads import inherit_threads, set_threads
 
 __all__ = ["EngineRun", "run_engine_bench"]
 
@@ -176,7 +177,6 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      warmup_prompts: int = 0, kernels: str = "tuned", calibrate: bool = True) -> int:
 
     from controller.background import BackgroundController, in_process_config
-    from worker.cli import set_threads
     from worker.drafters.oracle import OracleDrafter
     from worker.engine.engine import Engine, static_decide
     from worker.models import load_model
@@ -403,6 +403,7 @@ class _SteppedGenerate:
             raise RuntimeError("benchmark stopped")
 
     def _run(self) -> None:
+        inherit_threads()  # MKL's count is per thread: as the engines' in the driver's thread
         try:
             with torch.inference_mode():
                 for p in self.ids:

@@ -154,7 +154,7 @@ def run_retrain_loop(cfg: LoopConfig, say: Callable[[str], None] = print) -> dic
     from controller.background import BackgroundController
     from controller.config import ServerConfig
     from protos.speculation.v1 import controller_pb2
-    from worker.cli import set_threads
+    from worker.threads import set_threads
     from worker.prompts import load_prompts
     from worker.server import WorkerOptions, load_worker
 

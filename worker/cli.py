@@ -9,15 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def set_threads(threads: int) -> None:
-    """Torch intra-op threads. On a small shared CPU one thread per process is
-    the robust choice: OpenMP threads that spin on busy cores make small
-    matrix products several times slower."""
-    import torch
-
-    if threads > 0:
-        torch.set_num_threads(threads)
+from worker.threads import set_threads
 
 
 def _train_heads(args: argparse.Namespace) -> int:

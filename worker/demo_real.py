@@ -43,7 +43,7 @@ def run_real_demo(duration_s: float = 240.0, policy: str = "goodput", drafter: s
     from rich.table import Table
 
     from controller.background import BackgroundController, in_process_config
-    from worker.cli import set_threads
+    from worker.threads import set_threads
     from worker.load import LoadStats, run_phase
     from worker.prompts import held_out, load_prompts
     from worker.server import WorkerOptions, load_worker

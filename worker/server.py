@@ -41,6 +41,7 @@ from protos.speculation.v1 import worker_pb2
 from worker.engine.calibrate import VerifyTiming, calibrate_verify
 from worker.engine.engine import Engine, static_decide
 from worker.security import ClientSecurity
+from worker.threads import inherit_threads
 
 log = logging.getLogger("specctl.worker")
 
@@ -227,6 +228,7 @@ class ReferenceWorker:
             self.agent.close()
 
     def _loop(self) -> None:
+        inherit_threads()  # ``--threads`` for MKL too, which counts per thread
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
             self._maybe_roll_heads()
