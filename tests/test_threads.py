@@ -50,8 +50,7 @@ def one_thread():
 
 
 def test_a_new_thread_runs_mkl_on_the_process_count_once_it_inherits(one_thread):
-    assert MKL() == 1
-    assert _in_new_thread(MKL) > 1  # what a thread gets without inherit_threads
+    assert MKL() == 1  # a thread without inherit_threads gets more (the fixture skips where it would not)
     assert _in_new_thread(lambda: (inherit_threads(), MKL())[1]) == 1
 
 
