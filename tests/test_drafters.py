@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from policies.table import Decision
-from worker.drafters.base import DraftContext, Drafter, DraftTree, PromptIngest, best_first_tree
+from worker.drafters.base import CatchUp, DraftContext, Drafter, DraftTree, best_first_tree
 from worker.drafters.eagle import EagleDrafter
 from worker.drafters.medusa import MedusaDrafter
 from worker.drafters.ngram import NgramDrafter
@@ -186,11 +186,11 @@ def test_eagle_incremental_ingest_equals_fresh(tiny):
     assert got2.tokens == want.tokens and got2.parents == want.parents
 
 
-def test_eagle_prompt_ingest_leaves_only_new_pairs_to_the_first_draft(tiny):
-    """The draft prefill (``ingest_prompts``) runs the head over the prompt at
-    admission; a request off for a while then catches up on the pairs it
-    generated meanwhile alone, and drafts what a drafter fed everything at
-    once drafts."""
+def test_eagle_catch_up_leaves_only_new_pairs_to_the_first_draft(tiny):
+    """``ingest_prompts`` and off steps only queue features; ``catch_up``
+    runs the head over the queue (prompt and off steps) in one forward, so
+    the next ``propose`` ingests its own step's features alone, and drafts
+    what a drafter fed everything at once drafts."""
     model, vocab = tiny
     b = _eagle(model, vocab, seed=4)
     gen = torch.Generator().manual_seed(6)
@@ -199,16 +199,19 @@ def test_eagle_prompt_ingest_leaves_only_new_pairs_to_the_first_draft(tiny):
     d = Decision(3, 2, 6)
     (want,) = EagleDrafter(b, model).propose([DraftContext("x", tokens, feats)], [d])
 
-    eager = EagleDrafter(b, model)
-    assert isinstance(eager, PromptIngest) and not isinstance(NgramDrafter(), PromptIngest)
+    lazy = EagleDrafter(b, model)
+    assert isinstance(lazy, CatchUp) and not isinstance(NgramDrafter(), CatchUp)
     pairs_run = []  # pairs (queries) of every head forward
-    eager.head.fc.register_forward_hook(lambda module, args, out: pairs_run.append(args[0].shape[1]))
-    eager.ingest_prompts([DraftContext("x", tokens[:8], feats[:7], 8)])
-    assert pairs_run == [7]  # the prompt minus its last token
-    eager.propose([DraftContext("x", tokens[:10], feats[7:9])], [Decision.off()])
-    assert pairs_run == [7]  # off: the two new features wait, the head does not run
-    (got,) = eager.propose([DraftContext("x", tokens, feats[9:])], [d])
-    assert pairs_run[1] == 2 + 4  # the catch-up: queued while off + this step's, not the prompt again
+    lazy.head.fc.register_forward_hook(lambda module, args, out: pairs_run.append(args[0].shape[1]))
+    lazy.ingest_prompts([DraftContext("x", tokens[:8], feats[:7], 8)])
+    lazy.propose([DraftContext("x", tokens[:10], feats[7:9])], [Decision.off()])
+    assert pairs_run == []  # the prompt and an off step: queued, the head does not run
+    lazy.catch_up([DraftContext("x", tokens[:12], None, 8)])  # tokens[10..11] were committed by the step before
+    assert pairs_run == [7 + 2]  # the prompt minus its last token, and the off step's two
+    lazy.catch_up([DraftContext("x", tokens[:12], None, 8), DraftContext("unknown", [1, 2], None, 1)])
+    assert pairs_run == [9]  # nothing queued any more; a request it never saw is skipped
+    (got,) = lazy.propose([DraftContext("x", tokens, feats[9:])], [d])
+    assert pairs_run[1] == 4  # the step before's features only, not the queue again
     assert got.tokens == want.tokens and got.parents == want.parents
     assert got.confidences == pytest.approx(want.confidences, rel=1e-4)
 

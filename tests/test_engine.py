@@ -227,24 +227,32 @@ def test_the_prefill_emits_the_first_token(tiny):
 
 
 @pytest.mark.model
-def test_eagle_prefills_its_head_at_admission(tiny):
-    """EAGLE's head runs over the prompt when the request is admitted (timed
-    with the prefill), so the first step that drafts after a run of off steps
-    ingests only what was generated meanwhile; the output stays greedy."""
+def test_eagle_runs_its_head_only_for_requests_that_draft(tiny):
+    """EAGLE only queues the prompt's features at admission and an off step's
+    features after it: a request that never drafts costs no head forward. The
+    first step that drafts catches up on the whole queue before its timed
+    draft (``catch_up_s``, not ``draft_s``), so the draft itself ingests only
+    the step before's features; the output stays greedy."""
     model, vocab, prompts, refs = tiny
     drafter = _drafter("eagle", model, vocab, prompts, refs)
     pairs_run = []
     drafter.head.fc.register_forward_hook(lambda module, args, out: pairs_run.append(args[0].shape[1]))
+    off = Engine(model, drafter, static_decide(Decision.off()), max_batch=2)
+    assert off.generate(prompts[:2], NEW) == [r[:NEW] for r in refs[:2]]
+    assert pairs_run == [] and off.stats.catch_up_s == 0.0
+
     engine = Engine(model, drafter,
                     lambda rid, ctx, batch: Decision.chain(2) if engine.stats.steps >= 3 else Decision.off(),
                     max_batch=1)
     req = engine.submit(prompts[0], NEW)
-    for _ in range(4):
+    for _ in range(3):
         engine.step()
-    # admission: the features of all 9 prompt tokens (the prefill emitted the first root); steps 1-3 off;
-    # step 4 drafts after ingesting the features of the roots of steps 1-3, then expands one level
-    # (one query per row)
-    assert pairs_run == [len(prompts[0]), 3, 1]
+    assert pairs_run == [] and engine.stats.catch_up_s == 0.0  # admission and three off steps: queued only
+    engine.step()
+    # step 4 catches up on the 9 prompt tokens' features (the prefill emitted the first root) and those of the
+    # roots of steps 1-2, then drafts: step 3's root feature, then one more level (one query per row)
+    assert pairs_run == [len(prompts[0]) + 2, 1, 1]
+    assert engine.stats.catch_up_s > 0.0
     engine.run()
     assert req.output == refs[0][:NEW]
 

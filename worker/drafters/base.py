@@ -13,7 +13,7 @@ since the previous call, *excluding* the root, i.e. rows
 ``tokens[-1 - m : -1]`` for ``m = hidden.shape[0]``. The prefill emits a
 request's first token, so on its first call the root is that token and
 ``hidden`` covers the whole prompt, unless the drafter took the prompt at
-admission (``PromptIngest``). Drafters that do not need them
+admission (``CatchUp``). Drafters that do not need them
 (``needs_hidden = False``) get ``None``.
 """
 
@@ -27,7 +27,7 @@ import torch
 from policies.base import DrafterLimits
 from policies.table import Decision
 
-__all__ = ["DraftContext", "DraftTree", "Drafter", "DrafterLimits", "EMPTY_TREE", "PromptIngest", "best_first_tree",
+__all__ = ["CatchUp", "DraftContext", "DraftTree", "Drafter", "DrafterLimits", "EMPTY_TREE", "best_first_tree",
            "draft_lm_head"]
 
 
@@ -114,18 +114,31 @@ class Drafter(Protocol):
 
 
 @runtime_checkable
-class PromptIngest(Protocol):
-    """A drafter with work of its own to do on a prompt (a draft prefill).
+class CatchUp(Protocol):
+    """A drafter whose per-request state follows the target's features and may
+    fall behind while the request does not draft (EAGLE's head cache).
 
-    The engine hands such a drafter each new request's prompt features at
-    admission, timed with the target's prefill, instead of with the
-    request's first ``propose``: what the first drafting step costs is then
-    what every later one costs."""
+    Such a drafter only *queues* features for a request that is off: the
+    prompt's, handed over at admission (``ingest_prompts``), and every
+    step's while its decision is off, so speculation that is off costs no
+    head forward at all. Before the timed draft of a step the engine calls
+    ``catch_up`` with the requests about to draft: they run the head over
+    everything queued for them, so the draft time a step reports is what
+    drafting costs at that step, whatever the request's history (a request
+    switched on after its whole prompt and fifty off steps would otherwise
+    report a draft time the cost model reads as a far deeper tree). The
+    engine times catch-ups apart (``EngineStats.catch_up_s``)."""
 
     def ingest_prompts(self, contexts: Sequence[DraftContext]) -> None:
-        """``contexts``: one per admitted request, ``tokens`` = the prompt
-        and the first token the prefill emitted (the first root), ``hidden``
-        = the features of every prompt token."""
+        """Queue each admitted request's prompt features: ``tokens`` = the
+        prompt and the first token the prefill emitted (the first root),
+        ``hidden`` = the features of every prompt token."""
+        ...
+
+    def catch_up(self, contexts: Sequence[DraftContext]) -> None:
+        """Run the head over what is queued for these requests (one batched
+        forward; requests with nothing queued are skipped). ``tokens`` are
+        the committed tokens, the root last; ``hidden`` is not read."""
         ...
 
 

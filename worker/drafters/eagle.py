@@ -5,14 +5,15 @@ Per request the drafter keeps the head's own KV cache over *pairs*
 position t. Each step:
 
 1. **ingest** the features the target computed since the request last
-   drafted (root + accepted drafts of each step; queued while the request's
-   decision is off, so speculation off costs nothing): one head forward over
-   the new pairs, appended to the request's cache. The prompt's pairs are
-   ingested at admission (``ingest_prompts``, the draft prefill), so a
-   request switched on pays only for the tokens generated while it was off.
-   The output at the last pair, ``(f_{R-1}, x_R)`` with ``x_R`` the root,
-   predicts the root's feature ``f̂_R``; the draft LM head on it gives the
-   level-1 candidates.
+   drafted: one head forward over the new pairs, appended to the request's
+   cache. A request that does not draft only queues them (the prompt's at
+   admission, ``ingest_prompts``, and every off step's), so speculation off
+   costs no head forward; before a step's timed draft the engine has the
+   requests about to draft run the head over their queue (``catch_up``), so
+   a step's draft time covers this step's pairs only (root + accepted drafts
+   of the step before). The output at the last pair, ``(f_{R-1}, x_R)``
+   with ``x_R`` the root, predicts the root's feature ``f̂_R``; the draft LM
+   head on it gives the level-1 candidates.
 2. **expand** (EAGLE-2, Li et al. 2024b): at each level the ``width`` nodes
    with the highest cumulative probability (product along the path) are
    expanded: the pair ``(f̂_parent-output, node token)`` goes through the
@@ -132,15 +133,19 @@ class EagleDrafter:
             st.pending.append((len(ctx.tokens) - 1 - ctx.hidden.shape[0], ctx.hidden))
         return st
 
-    @torch.inference_mode()
     def ingest_prompts(self, contexts: Sequence[DraftContext]) -> None:
-        """Draft prefill at admission: the head runs over each new request's
-        prompt features while the target prefills it, whatever the request's
-        first decisions are. Without it the first drafting step of a request
-        pays for its whole prompt, and a batch switched on after running off
-        for a while pays for every row's at once: draft time the cost model
-        cannot tell apart from a deeper tree."""
-        self._catch_up([(ctx, self._queue(ctx)) for ctx in contexts])
+        """Queue each admitted request's prompt features; the head runs over
+        them when the request first drafts (``catch_up``)."""
+        for ctx in contexts:
+            self._queue(ctx)
+
+    @torch.inference_mode()
+    def catch_up(self, contexts: Sequence[DraftContext]) -> None:
+        """Run the head over everything queued for these requests (the prompt
+        and the steps they were off for) in one batched forward; ``hidden``
+        of ``contexts`` is not read (this step's features come with
+        ``propose``)."""
+        self._catch_up([(ctx, self._state[ctx.request_id]) for ctx in contexts if ctx.request_id in self._state])
 
     def _ingest(self, contexts: Sequence[DraftContext], decisions: Sequence[Decision]) -> None:
         """Queue every row's new features; run the head only for rows that

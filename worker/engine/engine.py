@@ -6,13 +6,15 @@ One ``Engine.step()``:
    whole prompts together (left-padded) into a fresh ``BatchKV``, merge it
    into the batch's, and take each request's first token from the logits
    after its last prompt token (argmax, or a sample), as ``generate`` does;
-   a drafter with a prefill of its own (``PromptIngest``: EAGLE's head over
-   the prompt's features) runs it here;
+   a drafter that keeps per-request state over the target's features
+   (``CatchUp``: EAGLE's head cache) queues the prompt's here;
 2. **decide** per row: ``decide(request_id, context_len, batch_size)`` →
    ``Decision`` (``SpeculationAgent.decide`` or any callable), clamped to the
    drafter's limits; depth 0 = plain decoding for that row;
 3. **draft** (timed): ``drafter.propose`` for every row (off rows get an
-   empty tree; the drafter still ingests their hidden states);
+   empty tree; the drafter still ingests their hidden states). Rows about
+   to draft first catch up on what their drafter queued while they were
+   off (``CatchUp``; timed apart, not in the step's draft time);
 4. **verify** (timed): one forward of the target's decoder over every row's
    ``[root | draft nodes]`` block (own tree mask per row, padded to the
    largest), LM head on the real entries only, acceptance per row (greedy,
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from policies.table import Decision
-from worker.drafters.base import EMPTY_TREE, DraftContext, Drafter, DraftTree, PromptIngest
+from worker.drafters.base import EMPTY_TREE, CatchUp, DraftContext, Drafter, DraftTree
 from worker.engine.attention import use_grouped_attention
 from worker.engine.batch import RowOutcome, build_block, greedy_path, row_outcome
 from worker.engine.kv import BatchKV, SlotCache
@@ -106,6 +108,7 @@ class EngineStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    catch_up_s: float = 0.0  # drafter catch-ups of rows switched on (``CatchUp``), outside draft_s
     repacks: int = 0
     finished: int = 0
 
@@ -271,7 +274,7 @@ class Engine:
             finished = [first_row + i for i, (row, o) in enumerate(zip(rows, firsts))
                         if self._emit(row, o.tokens, time.perf_counter())]
             wants_hidden = self.drafter is not None and self.drafter.needs_hidden
-            if isinstance(self.drafter, PromptIngest):  # the draft prefill, timed with the target's
+            if isinstance(self.drafter, CatchUp):  # queued: the head runs when the request first drafts
                 self.drafter.ingest_prompts([DraftContext(row.req.request_id, row.tokens, h, len(row.req.prompt))
                                              for row, h in zip(rows, hidden)])
             elif wants_hidden:
@@ -314,6 +317,7 @@ class Engine:
         batch = len(self.rows)
         ctx = self.kv.real_lengths().tolist()
         decisions = self._decisions(ctx, batch)
+        self._catch_up(decisions)
 
         t0 = time.perf_counter()
         trees = self._draft(decisions)
@@ -363,6 +367,18 @@ class Engine:
             return [Decision.off()] * batch
         limits = self.drafter.limits
         return [limits.clamp(self.decide(row.req.request_id, ctx[b], batch)) for b, row in enumerate(self.rows)]
+
+    def _catch_up(self, decisions: list[Decision]) -> None:
+        """Rows about to draft run their drafter over what it queued while
+        they were off (``CatchUp``), before the timed draft."""
+        if not isinstance(self.drafter, CatchUp):
+            return
+        due = [DraftContext(row.req.request_id, row.tokens, None, len(row.req.prompt))
+               for row, d in zip(self.rows, decisions) if d.depth > 0]
+        if due:
+            t0 = time.perf_counter()
+            self.drafter.catch_up(due)
+            self.stats.catch_up_s += time.perf_counter() - t0
 
     def _draft(self, decisions: list[Decision]) -> list[DraftTree]:
         if self.drafter is None:
