@@ -33,14 +33,18 @@ the prompts, and the driver steps them in turn (one step each per round,
 the first engine rotating) and times every step; transformers' generate
 takes its turns the same way, one forward each. A slow minute of this shared
 machine then falls on all configurations alike instead of on whichever ran
-in it. Greedy outputs do not depend on the configuration: one untimed plain
-pass first gives the reference and the oracle's truth.
+in it. Each configuration runs in a thread of its own and only one runs at
+a time: an engine stepped in the process's main thread took 4-6 % more CPU
+per step than the same engine in a thread of its own (the peers always had
+one), so none runs in the main thread. Greedy outputs do not depend on the
+configuration: one untimed plain pass first gives the reference and the
+oracle's truth.
 
 ``tokens_per_s``: generated tokens / wall time of the run (prefill, drafting,
 verification, Python overhead: everything). ``tokens_per_cpu_s``: the same
-over the CPU time of the engine's thread (``time.thread_time``; torch runs
-one intra-op thread, in that thread; a transformers peer's own thread). On a machine shared with other
-processes the wall clock swings by tens of percent from minute to minute,
+over the CPU time of the configuration's thread (``time.thread_time``;
+torch runs one intra-op thread, in that thread). On a machine shared with
+other processes the wall clock swings by tens of percent from minute to minute,
 while CPU time only counts the cycles the engine got, so
 ``speedup_vs_plain`` is computed on CPU time and ``speedup_vs_plain_wall``
 on wall time; both against the mean of the two plain configurations of the
@@ -51,8 +55,9 @@ same batch. ``mean_accepted``: mean τ per row-step.
 from __future__ import annotations
 
 import json
-import time
 import threading
+import time
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -79,6 +84,7 @@ class EngineRun:
     speedup_vs_plain_wall: float = 0.0
     draft_ms_per_step: float = 0.0
     verify_ms_per_step: float = 0.0
+    catch_up_ms_per_step: float = 0.0  # EAGLE's catch-ups of rows switched on (outside draft_ms)
     steps: int = 0
     note: str = ""
     spec_fraction: float = 0.0  # share of row-steps that drafted
@@ -100,6 +106,7 @@ class _Tally:
     accepted: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    catch_up_s: float = 0.0
     lossless: bool = True
     note: str = ""
 
@@ -113,6 +120,7 @@ class _Tally:
         self.accepted += stats.accepted
         self.draft_s += stats.draft_s
         self.verify_s += stats.verify_s
+        self.catch_up_s += stats.catch_up_s
         self.lossless &= lossless
 
     def add_peer(self, peer: "_SteppedGenerate", reference) -> None:
@@ -133,7 +141,8 @@ class _Tally:
                          tokens=self.tokens, seconds=round(self.secs, 2),
                          tokens_per_cpu_s=round(self.tokens / self.cpu, 2),
                          draft_ms_per_step=round(1e3 * self.draft_s / steps, 2),
-                         verify_ms_per_step=round(1e3 * self.verify_s / steps, 2), steps=self.steps, note=self.note,
+                         verify_ms_per_step=round(1e3 * self.verify_s / steps, 2),
+                         catch_up_ms_per_step=round(1e3 * self.catch_up_s / steps, 3), steps=self.steps, note=self.note,
                          spec_fraction=round(self.spec_row_steps / max(self.row_steps, 1), 3),
                          nodes_per_spec_row_step=round(self.draft_nodes / max(self.spec_row_steps, 1), 2))
 
@@ -299,102 +308,87 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
     ``max_batch = batch``. ``hf_depths``: transformers' ``generate`` on the
     shared model, one per depth (0: plain greedy, k: prompt lookup of k
     tokens), each over all prompts one at a time and stepped one target
-    forward per round like the engines (``_SteppedGenerate``).
+    forward per round like the engines (``_SteppedGenerate``). Every
+    configuration runs in a thread of its own (``_SteppedEngine``), none in
+    the driver's.
     """
     from worker.progress import ProgressBar
 
     runners, requests = {}, {}
-    for i, (name, pol, drafter, decide, observer, *own_model) in enumerate(specs):
-        key = (name, pol, batch)
-        runners[key] = engine_cls(own_model[0] if own_model else model, drafter, decide, observer=observer,
-                                  max_batch=batch)
-        requests[key] = [runners[key].submit(p, max_new_tokens) for p in ids]
-        tallies[key] = _Tally()
-        if i == 0:  # the peer's rows right after plain's
-            for k in hf_depths:
-                runners[_hf_key(k)] = _SteppedGenerate(model, ids, max_new_tokens, k)
-                tallies[_hf_key(k)] = _Tally()
-    expected_rounds = max(1, len(ids) * max_new_tokens // batch)
-    bar = ProgressBar(expected_rounds, f"bench engine, batch {batch} ({len(runners)} configurations in lockstep)")
-    rounds = 0
+    bar = None
     try:
+        for i, (name, pol, drafter, decide, observer, *own_model) in enumerate(specs):
+            key = (name, pol, batch)
+            engine = engine_cls(own_model[0] if own_model else model, drafter, decide, observer=observer,
+                                max_batch=batch)
+            requests[key] = [engine.submit(p, max_new_tokens) for p in ids]
+            runners[key] = _SteppedEngine(engine, f"engine-{name}-{pol}")
+            tallies[key] = _Tally()
+            if i == 0:  # the peer's rows right after plain's
+                for k in hf_depths:
+                    runners[_hf_key(k)] = _SteppedGenerate(model, ids, max_new_tokens, k)
+                    tallies[_hf_key(k)] = _Tally()
+        expected_rounds = max(1, len(ids) * max_new_tokens // batch)
+        bar = ProgressBar(expected_rounds, f"bench engine, batch {batch} ({len(runners)} configurations in lockstep)")
+        rounds = 0
         while True:
             live = [key for key, r in runners.items() if r.has_work()]
             if not live:
                 break
             shift = rounds % len(live)
             for key in live[shift:] + live[:shift]:
-                runner = runners[key]
-                if isinstance(runner, _SteppedGenerate):
-                    secs, cpu = runner.step()
-                else:
-                    t0, c0 = time.perf_counter(), time.thread_time()
-                    runner.step()
-                    secs, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                secs, cpu = runners[key].step()
                 tallies[key].secs += secs
                 tallies[key].cpu += cpu
             rounds += 1
             bar.update(1)
     finally:
         for runner in runners.values():
-            if isinstance(runner, _SteppedGenerate):
-                runner.close()
-        bar.close()
+            runner.close()
+        if bar is not None:
+            bar.close()
     for key, runner in runners.items():
         if isinstance(runner, _SteppedGenerate):
             tallies[key].add_peer(runner, reference)
         else:
-            tallies[key].add_stats(runner.stats, [r.output for r in requests[key]] == reference)
+            tallies[key].add_stats(runner.engine.stats, [r.output for r in requests[key]] == reference)
 
 
 def _hf_key(k: int) -> tuple[str, str, int]:
     return ("hf-generate", "plain", 1) if k == 0 else ("hf-prompt-lookup", f"static-d{k}", 1)
 
 
-class _SteppedGenerate:
-    """transformers' ``generate`` (``k`` = 0: plain greedy; else prompt lookup
-    of ``k`` tokens) over ``ids`` one prompt at a time, one target forward
-    per :meth:`step`.
+class _TurnThread(ABC):
+    """Work that runs in a thread of its own and takes turns with the driver.
 
-    ``generate`` cannot be stepped from outside, so it runs in a thread of
-    its own, parked by a forward pre-hook on the model before every forward;
-    :meth:`step` lets one forward run, with the host work up to the next one
-    (candidate lookup, logits processing, stopping checks), and waits until
-    the thread parks again. The two threads never run at once. So the peer
-    meets the machine's slow minutes and the caches as the engines beside it
-    do, forward for forward, where a whole uninterrupted ``generate`` call
-    ran with caches the engines in lockstep never get (the engine's plain
-    decoding measured 1.06x slower than transformers' that way).
-
-    The hook counts forwards, so ``steps`` and ``mean_accepted`` compare
-    with the engine's exactly (steps are deterministic under greedy
-    decoding); assisted decoding runs the prompt and the first candidates in
-    one forward, so every forward is one step emitting τ + 1 tokens. CPU
-    time is the generate thread's own (``time.thread_time`` there).
+    The thread parks (``_park``, called in the thread) before each turn;
+    :meth:`step` lets one turn run and waits until the thread parks again,
+    so it and the driver never run at once. CPU time is the thread's own
+    (``time.thread_time`` at each park). Subclasses set themselves up, then
+    call ``__init__``, and implement ``_body`` (it parks before every turn).
     """
 
-    def __init__(self, model, ids, max_new_tokens: int, k: int) -> None:
-        self.model, self.ids, self.max_new_tokens, self.k = model, ids, max_new_tokens, k
-        self.outputs: list[list[int]] = []
-        self.forwards = 0
-        self._cpu = 0.0  # the generate thread's CPU seconds when it last parked
-        self._cpu_reported = 0.0
+    def __init__(self, name: str) -> None:
+        self.turns = 0
+        self._cpu = 0.0  # the thread's CPU seconds when it last parked
         self._go = threading.Event()
         self._parked = threading.Event()
         self._closing = False
         self._finished = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"hf-generate-k{k}", daemon=True)
-        self._hook = model.register_forward_pre_hook(self._before_forward)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._parked.wait()
+        self._cpu_reported = self._cpu  # the thread's start-up is nobody's turn
 
-    def _before_forward(self, module, args) -> None:
-        if threading.get_ident() != self._thread.ident:
-            return  # another peer's thread, or an engine: not ours to park
+    @abstractmethod
+    def _body(self) -> None:
+        """The thread's work; calls ``_park`` before every turn."""
+
+    def _park(self) -> None:
         if self._closing:
             raise RuntimeError("benchmark stopped")
-        self.forwards += 1
+        self.turns += 1
         self._cpu = time.thread_time()
         self._parked.set()
         self._go.wait()
@@ -403,15 +397,10 @@ class _SteppedGenerate:
             raise RuntimeError("benchmark stopped")
 
     def _run(self) -> None:
-        inherit_threads()  # MKL's count is per thread: as the engines' in the driver's thread
+        inherit_threads()  # MKL's count is per thread: apply the process's here
         try:
             with torch.inference_mode():
-                for p in self.ids:
-                    x = torch.tensor([p])
-                    y = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                            max_new_tokens=self.max_new_tokens,
-                                            prompt_lookup_num_tokens=self.k or None)
-                    self.outputs.append(y[0, len(p):].tolist())
+                self._body()
         except BaseException as err:  # re-raised by step()
             self._error = err
         finally:
@@ -423,21 +412,90 @@ class _SteppedGenerate:
         return not self._finished
 
     def step(self) -> tuple[float, float]:
-        """Let one forward run; ``(wall seconds, CPU seconds)`` it took."""
+        """Let one turn run; ``(wall seconds, CPU seconds)`` it took."""
         t0 = time.perf_counter()
         self._parked.clear()
         self._go.set()
         self._parked.wait()
         if self._error is not None and not self._closing:
-            raise RuntimeError(f"transformers generate (k={self.k}) failed") from self._error
+            raise RuntimeError(f"{self._thread.name} failed") from self._error
         cpu, self._cpu_reported = self._cpu - self._cpu_reported, self._cpu
         return time.perf_counter() - t0, cpu
 
     def close(self) -> None:
-        """Stop a thread still parked (it raises instead of running its forward), then unhook."""
+        """Stop a thread still parked (it raises instead of taking its turn)."""
         self._closing = True
         self._go.set()
         self._thread.join(timeout=60)
+
+
+class _SteppedEngine(_TurnThread):
+    """An engine in a thread of its own, one ``Engine.step`` per turn.
+
+    Every configuration of the lockstep runs in a thread of its own, the
+    engines as the transformers peers, so none of them runs in the process's
+    main thread: there the same engine measured 4-6 % more CPU per step than
+    in a thread started for it (one-off lockstep on SmolLM2, issue #4), which
+    tilted every comparison between an engine and a peer. The worker runs
+    its engine in a thread of its own too (``worker.server``).
+    """
+
+    def __init__(self, engine, name: str) -> None:
+        self.engine = engine
+        super().__init__(name)
+
+    def _body(self) -> None:
+        while self.engine.has_work():
+            self._park()
+            self.engine.step()
+
+
+class _SteppedGenerate(_TurnThread):
+    """transformers' ``generate`` (``k`` = 0: plain greedy; else prompt lookup
+    of ``k`` tokens) over ``ids`` one prompt at a time, one target forward
+    per :meth:`step`.
+
+    ``generate`` cannot be stepped from outside, so a forward pre-hook on
+    the model parks its thread before every forward; a turn is one forward
+    with the host work up to the next one (candidate lookup, logits
+    processing, stopping checks). So the peer meets the machine's slow
+    minutes and the caches as the engines beside it do, forward for
+    forward, where a whole uninterrupted ``generate`` call ran with caches
+    the engines in lockstep never get (the engine's plain decoding measured
+    1.06x slower than transformers' that way).
+
+    The hook counts forwards, so ``steps`` and ``mean_accepted`` compare
+    with the engine's exactly (steps are deterministic under greedy
+    decoding); assisted decoding runs the prompt and the first candidates in
+    one forward, so every forward is one step emitting τ + 1 tokens.
+    """
+
+    def __init__(self, model, ids, max_new_tokens: int, k: int) -> None:
+        self.model, self.ids, self.max_new_tokens, self.k = model, ids, max_new_tokens, k
+        self.outputs: list[list[int]] = []
+        self._hook = model.register_forward_pre_hook(self._before_forward)
+        self._own: int | None = None
+        super().__init__(f"hf-generate-k{k}")
+
+    @property
+    def forwards(self) -> int:
+        return self.turns
+
+    def _before_forward(self, module, args) -> None:
+        if threading.get_ident() == self._own:  # not another peer's thread, nor an engine's
+            self._park()
+
+    def _body(self) -> None:
+        self._own = threading.get_ident()  # the hook parks this thread only
+        for p in self.ids:
+            x = torch.tensor([p])
+            y = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                    max_new_tokens=self.max_new_tokens, prompt_lookup_num_tokens=self.k or None)
+            self.outputs.append(y[0, len(p):].tolist())
+
+    def close(self) -> None:
+        """Stop a thread still parked, then unhook."""
+        super().close()
         self._hook.remove()
 
 

@@ -73,17 +73,24 @@ def test_the_workers_engine_thread_runs_mkl_on_the_process_count(one_thread):
 
 
 @pytest.mark.model
-def test_the_engine_benchs_transformers_peer_runs_mkl_on_the_process_count(one_thread):
-    from bench.engine import _SteppedGenerate
+@pytest.mark.parametrize("runner", ["engine", "transformers"])
+def test_the_engine_benchs_runners_run_mkl_on_the_process_count(one_thread, runner):
+    from bench.engine import _SteppedEngine, _SteppedGenerate
+    from worker.engine.engine import Engine
 
     model, _ = tiny_llama(seed=1)
     seen = []
-    hook = model.register_forward_pre_hook(lambda *_: seen.append(MKL()))
-    peer = _SteppedGenerate(model, [[1, 2, 3, 4]], 3, 0)
+    hook = model.model.register_forward_pre_hook(lambda *_: seen.append(MKL()))  # the decoder: both run it
+    if runner == "engine":
+        engine = Engine(model, max_batch=1)
+        engine.submit([1, 2, 3, 4], 3)
+        stepped = _SteppedEngine(engine, "engine-plain")
+    else:
+        stepped = _SteppedGenerate(model, [[1, 2, 3, 4]], 3, 0)
     try:
-        while peer.has_work():
-            peer.step()
+        while stepped.has_work():
+            stepped.step()
     finally:
-        peer.close()
+        stepped.close()
         hook.remove()
-    assert len(seen) == 3 and set(seen) == {1}  # as the engines in the driver's thread
+    assert len(seen) == 3 and set(seen) == {1}  # prefill + two steps, or generate's three forwards
