@@ -85,10 +85,12 @@ class StratumPosterior:
         self._old_fail = np.zeros(cells)
         self._anchor = np.full(cells, np.nan)  # reference stick mean when the cell last had data
         self._carried = float("nan")  # reference stick mean at the last carry
-        # Request-steps whose decision asked for a draft, and those the drafter
-        # offered one for (a prompt-lookup drafter offers only when it finds a match).
-        self.asked = 0.0
-        self.offered = 0.0
+        # Offer cells, one per (level, rank): how often a step reached the level
+        # with the decision asking for that rank, and how often the drafter had
+        # it (a prompt-lookup drafter offers only what its matches continue
+        # with). Cell (1, 1) counts request-steps that asked for a draft at all.
+        self.asked = [0.0] * cells
+        self.offered = [0.0] * cells
 
     def observe(self, accepted_rank: Sequence[int], level_candidates: Sequence[int]) -> None:
         """Add one request-step's per-position outcome (validated upstream)."""
@@ -120,15 +122,30 @@ class StratumPosterior:
             self.fail[accepted * width] += count
         self.observations += count
 
-    def observe_offers(self, asked: float, offered: float) -> None:
-        """``asked`` request-steps asked for a draft, ``offered`` of them got one."""
-        self.asked += asked
-        self.offered += offered
+    def observe_offers(self, asked: float, offered: float, level: int = 0, rank: int = 0) -> None:
+        """``asked`` times the step reached ``level`` (0-based) with the
+        decision asking for ``rank`` (0-based) there; ``offered`` of them the
+        drafter had it. Level 0, rank 0: request-steps that asked for a draft,
+        and those that got one."""
+        if level < self.max_depth and rank < self.max_width:
+            cell = level * self.max_width + rank
+            self.asked[cell] += asked
+            self.offered[cell] += offered
 
     def offer_rate(self) -> float:
-        """P(the drafter offers a draft | the decision asks for one): one
-        pseudo-success, so a worker that never reports asks keeps 1."""
-        return (self.offered + 1.0) / (self.asked + 1.0)
+        """P(the drafter offers a draft | the decision asks for one)."""
+        return (self.offered[0] + 1.0) / (self.asked[0] + 1.0)
+
+    def offer_probs(self) -> np.ndarray:  # [depth, width]
+        """P(the drafter offers a rank-``r`` candidate at level ``k`` | the
+        level is reached and the decision asks for it), i.e. P(at least
+        ``r`` candidates there): one pseudo-success per cell, so a cell never
+        asked about (and every cell past level 1 rank 1 of a worker that
+        does not report the width it asked for) stays at 1, but no rank is
+        offered more often than the rank above it."""
+        asked = np.asarray(self.asked).reshape(self.max_depth, self.max_width)
+        offered = np.asarray(self.offered).reshape(self.max_depth, self.max_width)
+        return np.minimum.accumulate((offered + 1.0) / (asked + 1.0), axis=1)
 
     def decay(self, now: float, half_life_s: float, max_evidence: float) -> None:
         """Forget old evidence: mostly-old cells follow the reference (module
@@ -164,9 +181,9 @@ class StratumPosterior:
             old_s, old_f = old_s * shrink, old_f * shrink
             self._carried = reference
         succ, fail = (old_s + new_s) * factor, (old_f + new_f) * factor
-        scale = factor if self.asked * factor <= max_evidence else max_evidence / self.asked
-        self.asked *= scale
-        self.offered *= scale
+        asked, offered = np.asarray(self.asked) * factor, np.asarray(self.offered) * factor
+        cap = np.where(asked > max_evidence, max_evidence / np.maximum(asked, 1e-12), 1.0)
+        self.asked, self.offered = (asked * cap).tolist(), (offered * cap).tolist()
         total = succ + fail
         cap = np.where(total > max_evidence, max_evidence / np.maximum(total, 1e-12), 1.0)
         succ, fail = succ * cap, fail * cap
@@ -188,6 +205,46 @@ class StratumPosterior:
         s = np.asarray(self.succ).reshape(shape)[:, 0]
         f = np.asarray(self.fail).reshape(shape)[:, 0]
         return s + f
+
+
+def offer_slots(depth: int, accepted: int, nodes: int, accepted_rank: Sequence[int] | None,
+                level_candidates: Sequence[int] | None, requested_depth: int, requested_width: int,
+                requested_nodes: int) -> list[tuple[int, int, bool]]:
+    """(level, rank, offered), both 0-based, for every candidate slot a
+    request-step's decision asked for at a level the step reached: the
+    drafter had it or not. Level 0 rank 0 (a draft at all) is left to the
+    caller, which counts it for every step that asked; so is everything when
+    the worker did not report the width it asked for.
+
+    A level is reached when every level above it was accepted; the one under
+    a path that ends at a leaf shallower than asked is reached with no
+    candidates. A step that used its whole node budget (``nodes ==
+    requested_nodes``) says nothing about slots it left out, so only its
+    offered slots count (censored like the acceptance cells).
+
+    >>> offer_slots(2, 2, 2, None, None, 4, 2, 8)  # a d2 chain fully accepted, d4 w2 n8 asked
+    [(0, 1, False), (1, 0, True), (1, 1, False), (2, 0, False), (2, 1, False)]
+    >>> offer_slots(2, 0, 3, [0], [2], 2, 2, 3)  # refused at level 1 with the budget spent
+    [(0, 1, True)]
+    """
+    if requested_width <= 0 or requested_depth <= 0:
+        return []
+    if depth == 0:
+        ranks, cands = [0], [0]
+    elif accepted_rank is None:
+        reached = min(accepted + 1, depth)
+        ranks, cands = [1] * min(accepted, reached) + [0] * (reached - min(accepted, reached)), [1] * reached
+    else:
+        ranks, cands = list(accepted_rank), list(level_candidates or ())
+    if ranks[-1] != 0:  # the path's last node was accepted: the level under it had nothing
+        ranks, cands = ranks + [0], cands + [0]
+    spent = 0 < requested_nodes <= nodes
+    slots = []
+    for level, offered in enumerate(cands[:requested_depth]):
+        for rank in range(1 if level == 0 else 0, requested_width):
+            if rank < offered or not spent:
+                slots.append((level, rank, rank < offered))
+    return slots
 
 
 def sticks_to_rank_probs(sticks: np.ndarray) -> np.ndarray:
@@ -310,6 +367,7 @@ class AcceptanceView:
         self._params = [p.beta_params() for p in buckets]
         self._effective = [p.effective_samples() for p in buckets]
         self._offer = [p.offer_rate() for p in buckets]
+        self._offer_probs = [p.offer_probs() for p in buckets]
 
     def _cut(self, x: np.ndarray) -> np.ndarray:
         return x[: self.max_depth, : self.max_width]
@@ -330,3 +388,6 @@ class AcceptanceView:
 
     def offer_rate(self, context_bucket: int) -> float:
         return self._offer[context_bucket]
+
+    def offer_probs(self, context_bucket: int) -> np.ndarray:  # [depth, width]
+        return self._cut(self._offer_probs[context_bucket])

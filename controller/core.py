@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from controller.acceptance import AcceptanceModel, AcceptancePrior, expected_chain_accepted
+from controller.acceptance import AcceptanceModel, AcceptancePrior, expected_chain_accepted, offer_slots
 from controller.config import ServerConfig
 from controller.cost import CostParams, StepCostModel
 from controller.protocol import (
@@ -238,7 +238,7 @@ class Controller:
         now = self.clock()
         rejections = []
         chains: dict[tuple[int, int, int], int] = {}  # (bucket, depth, τ) -> request-steps, applied in bulk
-        offers: dict[int, list[int]] = {}  # bucket -> [drafts asked for, drafts offered], applied in bulk
+        offers: dict[tuple[int, int, int], list[int]] = {}  # (bucket, level, rank) -> [asked, offered], in bulk
         finished_ids = state.finished_ids
         for i, step in enumerate(reports.steps):
             try:
@@ -259,8 +259,8 @@ class Controller:
                 bucket, depth, accepted = key
                 posteriors[bucket].observe_chain(depth, accepted, count)
                 tally[key] = tally.get(key, 0) + count
-            for bucket, (asked, offered) in offers.items():
-                posteriors[bucket].observe_offers(asked, offered)
+            for (bucket, level, rank), (asked, offered) in offers.items():
+                posteriors[bucket].observe_offers(asked, offered, level, rank)
         self._maybe_tick(now)
         return rejections
 
@@ -276,7 +276,7 @@ class Controller:
         kv_tokens = max_depth = total_nodes = level_kv = attn_pairs = 0
         posteriors = None
         for row in rows:
-            rid, ctx, depth, width, nodes, accepted, ranks, cands, requested = row
+            rid, ctx, depth, width, nodes, accepted, ranks, cands, requested, requested_width, requested_nodes = row
             batch_tokens += 1 + nodes
             kv_tokens += ctx
             attn_pairs += (1 + nodes) * ctx
@@ -286,11 +286,17 @@ class Controller:
             counts[c] += 1.0
             sums[c] += ctx
             if requested:
-                tally = offers.get(c)
+                tally = offers.get((c, 0, 0))
                 if tally is None:
-                    tally = offers[c] = [0, 0]
+                    tally = offers[(c, 0, 0)] = [0, 0]
                 tally[0] += 1
                 tally[1] += depth > 0
+                if requested_width * requested > 1:  # slots past a draft at all
+                    for level, rank, offered in offer_slots(depth, accepted, nodes, ranks, cands, requested,
+                                                            requested_width, requested_nodes):
+                        tally = offers.setdefault((c, level, rank), [0, 0])
+                        tally[0] += 1
+                        tally[1] += offered
             if depth:
                 level_kv += depth * ctx
                 if depth > max_depth:

@@ -113,6 +113,7 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
         for name in ("accepted_rank", "level_candidates", "draft_confidence"):
             if getattr(r, name):
                 raise _bad(path, name, f"{list(getattr(r, name))[:8]} must be empty when depth is 0", step_id)
+        _check_requested_shape(r, limits, path, step_id)
         return
     width = r.width
     if not 1 <= width <= limits.max_width:
@@ -120,6 +121,7 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
     if not depth <= r.nodes <= limits.max_tree_nodes:
         raise _bad(path, "nodes", f"{r.nodes} must be in depth ({depth})..{limits.max_tree_nodes} "
                    "(drafter max_tree_nodes)", step_id)
+    _check_requested_shape(r, limits, path, step_id)
     ranks, cands = r.accepted_rank, r.level_candidates
     if not ranks:
         if width != 1:
@@ -147,6 +149,16 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
     _check_confidence(r.draft_confidence, len(ranks), path, step_id)
 
 
+def _check_requested_shape(r: worker_pb2.RequestStep, limits: DrafterLimits, path: str, step_id: int) -> None:
+    for name, used, limit, what in (("requested_width", r.width, limits.max_width, "max_width"),
+                                    ("requested_nodes", r.nodes, limits.max_tree_nodes, "max_tree_nodes")):
+        value = getattr(r, name)
+        if value and not r.requested_depth:
+            raise _bad(path, name, f"{value} must be 0 when requested_depth is 0", step_id)
+        if not (value == 0 or max(used, 1) <= value <= limit):
+            raise _bad(path, name, f"{value} must be 0 or in {used or 1}..{limit} (drafter {what})", step_id)
+
+
 def _check_confidence(confidence, levels: int, path: str, step_id: int) -> None:
     if not confidence:
         return
@@ -158,10 +170,10 @@ def _check_confidence(confidence, levels: int, path: str, step_id: int) -> None:
 
 
 # One validated request of a step: (request_id, context_len, depth, width,
-# nodes, accepted, accepted_rank, level_candidates, requested_depth); ranks and
-# candidates are None for a chain or an off request (the per-position outcome
-# follows from τ).
-RequestRow = tuple[str, int, int, int, int, int, "tuple[int, ...] | None", "tuple[int, ...] | None", int]
+# nodes, accepted, accepted_rank, level_candidates, requested_depth,
+# requested_width, requested_nodes); ranks and candidates are None for a chain
+# or an off request (the per-position outcome follows from τ).
+RequestRow = tuple[str, int, int, int, int, int, "tuple[int, ...] | None", "tuple[int, ...] | None", int, int, int]
 
 
 def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
@@ -184,26 +196,31 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
             raise _bad(path, name, f"{value} must be finite, >= 0 and < 1 h", sid)
     if not step.verify_ms > 0.0:
         raise _bad(path, "verify_ms", f"{step.verify_ms} must be > 0", sid)
-    max_depth, max_nodes = limits.max_depth, limits.max_tree_nodes
+    max_depth, max_width, max_nodes = limits.max_depth, limits.max_width, limits.max_tree_nodes
     rows: list[RequestRow] = []
     for i, r in enumerate(requests):
         rid, ctx, depth, width, nodes, accepted = r.request_id, r.context_len, r.depth, r.width, r.nodes, r.accepted
         ranks, requested = r.accepted_rank, r.requested_depth
+        requested_width, requested_nodes = r.requested_width, r.requested_nodes
         # Fast path for the common shapes (off, or a chain with the τ shorthand);
         # anything else gets the full field-by-field check and its message.
         if rid and 0 <= ctx <= MAX_CONTEXT_LEN and 0 <= accepted <= depth <= max_depth and not ranks and (
             (depth == 0 and width == 0 and nodes == 0) or (depth > 0 and width == 1 and depth <= nodes <= max_nodes)
         ) and not r.level_candidates and not r.draft_confidence and (
-            requested == 0 or depth <= requested <= max_depth
+            (requested == 0 and requested_width == 0 and requested_nodes == 0) or (
+                depth <= requested <= max_depth and (requested_width == 0 or 1 <= requested_width <= max_width)
+                and (requested_nodes == 0 or max(nodes, 1) <= requested_nodes <= max_nodes))
         ):
-            rows.append((rid, ctx, depth, width, nodes, accepted, None, None, requested))
+            rows.append((rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
+                         requested_nodes))
             continue
         validate_request_step(r, limits, f"{path}.requests[{i}]", sid)
         if depth and ranks:
             rows.append((rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates),
-                         requested))
+                         requested, requested_width, requested_nodes))
         else:
-            rows.append((rid, ctx, depth, width, nodes, accepted, None, None, requested))
+            rows.append((rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
+                         requested_nodes))
     if len(rows) > 1 and len({row[0] for row in rows}) < len(rows):
         seen: set[str] = set()
         for j, row in enumerate(rows):

@@ -161,8 +161,9 @@ def step_to_dict(step: worker_pb2.StepReport) -> dict[str, Any]:
             d["draft_confidence"] = [round(c, 6) for c in r.draft_confidence]
         if r.domain:
             d["domain"] = r.domain
-        if r.requested_depth:
-            d["requested_depth"] = r.requested_depth
+        for name in ("requested_depth", "requested_width", "requested_nodes"):
+            if getattr(r, name):
+                d[name] = getattr(r, name)
         requests.append(d)
     return {"step_id": step.step_id, "timestamp": step.timestamp, "batch_size": step.batch_size,
             "draft_ms": step.draft_ms, "verify_ms": step.verify_ms, "requests": requests}

@@ -115,6 +115,14 @@ class AcceptanceEstimate(Protocol):
         acceptance above is conditional on an offer."""
         ...
 
+    def offer_probs(self, context_bucket: int) -> np.ndarray:  # [depth, width]
+        """``[k, r]``: P(the drafter offers a rank-(r+1) candidate at position
+        k+1 | positions 1..k were accepted and the decision asks for it);
+        ``[0, 0]`` is ``offer_rate``. ``rank_probs`` are conditional on the
+        candidate being offered. All ones for a drafter that always fills the
+        tree it is asked for (model heads)."""
+        ...
+
 
 class CostEstimate(Protocol):
     """Fitted step-time model of one worker (milliseconds).

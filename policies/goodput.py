@@ -20,8 +20,15 @@ node costs ``compute_ms_per_token`` and only high-value nodes survive, often
 none: speculation off. Context length enters twice: acceptance is estimated
 per context bucket, and KV tokens lift the memory plane at long context.
 
-Drafters that may offer nothing (prompt lookup without a match) scale every
-node's value by their learned offer rate. On a worker whose forward pads
+Drafters that may not offer what they are asked for (prompt lookup without a
+match, or with one continuation where the tree has room for four) scale each
+node's value by the learned probability that its slot is offered, along its
+path: it counts only the drafts that really hold it. Its price does not
+shrink with it: a request that gets a draft is charged every node asked for,
+because a trie that has a second continuation usually has several and fills
+the budget (priced by expected presence, the reference worker's n-gram trees
+of 24 nodes ran at 1.14× plain against its d4 chain's 1.27×: the step cost
+is convex in tokens and the siblings come together). On a worker whose forward pads
 every request's block to the largest (``Observation.padded_verify``) a batch
 costs ``batch · (1 + widest block)`` tokens: one request's deep tree is paid
 by every row, and a rare context bucket takes only the nodes that fit in the
@@ -107,23 +114,42 @@ class NodeList:
         return float(self.values[:m].sum())
 
 
-def best_first_nodes(rank_probs: np.ndarray, max_depth: int, max_width: int, max_nodes: int) -> NodeList:
+def best_first_nodes(rank_probs: np.ndarray, max_depth: int, max_width: int, max_nodes: int,
+                     offer_probs: np.ndarray | None = None) -> NodeList:
     """Expand the draft tree best-first by path acceptance probability.
 
     ``rank_probs[k, r]``: probability that the rank-``r`` candidate at
-    position ``k`` is accepted given the path so far was (conditional
-    independence across positions, as in EAGLE-2's value estimate).
+    position ``k`` is accepted given the path so far was and the candidate
+    is offered (conditional independence across positions, as in EAGLE-2's
+    value estimate). ``offer_probs[k, r]``: probability that the drafter
+    offers that candidate when asked (default: always). A node's value is
+    the product of ``offer · rank`` probabilities along its path: a sibling a
+    prompt-lookup drafter seldom has is worth little however well it would
+    do when it is there.
 
     >>> nodes = best_first_nodes(np.array([[0.6, 0.3], [0.5, 0.2]]), 2, 2, 4)
     >>> [round(float(v), 2) for v in nodes.values], nodes.decision(2)
     ([0.6, 0.3, 0.3, 0.15], Decision(depth=1, width=2, max_nodes=2))
+    >>> rare = best_first_nodes(np.array([[0.6, 0.3], [0.5, 0.2]]), 2, 2, 4, np.array([[1.0, 0.1], [1.0, 0.1]]))
+    >>> [round(float(v), 3) for v in rare.values], rare.decision(2)
+    ([0.6, 0.3, 0.03, 0.015], Decision(depth=2, width=1, max_nodes=2))
     """
-    values, levels, parents = _expand(rank_probs, max_depth, max_width, max_nodes, single_cap=True)
+    values, levels, parents = _expand(_offered(rank_probs, offer_probs), max_depth, max_width, max_nodes,
+                                      single_cap=True)
     return _node_list(values, levels, parents)
 
 
-def capped_node_lists(rank_probs: np.ndarray, max_depth: int, max_width: int, max_nodes: int) -> list[NodeList]:
-    """``[best_first_nodes(rank_probs, cap, max_width, max_nodes) for cap in 1..max_depth]``
+def _offered(rank_probs: np.ndarray, offer_probs: np.ndarray | None) -> np.ndarray:  # [depth, width]
+    """P(offered and accepted) per slot."""
+    if offer_probs is None:
+        return rank_probs
+    depth, width = rank_probs.shape
+    return rank_probs * offer_probs[:depth, :width]
+
+
+def capped_node_lists(rank_probs: np.ndarray, max_depth: int, max_width: int, max_nodes: int,
+                      offer_probs: np.ndarray | None = None) -> list[NodeList]:
+    """``[best_first_nodes(rank_probs, cap, max_width, max_nodes, offer_probs) for cap in 1..max_depth]``
     from one expansion.
 
     Best-first expansion emits nodes in non-increasing value order, and a
@@ -137,7 +163,8 @@ def capped_node_lists(rank_probs: np.ndarray, max_depth: int, max_width: int, ma
     depth = min(max_depth, rank_probs.shape[0])
     if depth <= 0 or max_nodes <= 0:
         return [_node_list([], [], [])] * max(max_depth, 1)
-    values, levels, parents = _expand(rank_probs, depth, max_width, max_nodes, single_cap=False)
+    values, levels, parents = _expand(_offered(rank_probs, offer_probs), depth, max_width, max_nodes,
+                                      single_cap=False)
     levels_a = np.asarray(levels, dtype=np.int64)
     out: list[NodeList] = []
     for cap in range(1, depth + 1):
@@ -267,7 +294,13 @@ def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray,
     ``Σ E[τ + 1] / (T_verify + T_draft)`` under ``cost``.
 
     ``offer[g]``: the share of group ``g``'s requests the drafter really drafts
-    for (``gained`` already counts it). ``padded``: the worker's forward pads
+    for (``gained`` already counts it); each of them pays every node it asked
+    for. A step where no request gets a draft is a plain forward, so the
+    verify time is the mixture ``P(none) · T(plain) + P(some) · T(the
+    drafts given some)``: a step's cost is convex in its tokens (flat up to
+    a tile, then rising), and pricing the mean tokens instead made a batch-1
+    prompt-lookup worker that drafts on 40 % of its steps buy 10-node trees
+    whose steps cost 1.3× a plain one. ``padded``: the worker's forward pads
     every request's block to the largest, so it computes ``batch · (1 + w)``
     tokens with ``w`` the largest block any request brings — about
     ``max_g taken_g · P(some request of g gets a draft)``. ``caution``: the
@@ -282,17 +315,22 @@ def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray,
     levels = expected_max_depth(depths, counts / batch, batch)
     level_kv = depths @ kv_per_group
     kv = float(kv_per_group.sum())
+    none = float(np.prod((1.0 - offer) ** counts))  # P(no request of the step gets a draft)
+    some = max(1.0 - none, 1e-12)
     if padded:
-        width = np.max(taken * (1.0 - (1.0 - offer) ** counts), axis=-1)  # [...]: the block every row carries
+        width = np.max(taken * (1.0 - (1.0 - offer) ** counts), axis=-1) / some  # [...]: the block every row carries
         tokens, pairs = batch * (1.0 + width), kv * (1.0 + width)
     else:
-        tokens = batch + drafted
-        pairs = kv + taken @ (kv_per_group * offer)  # Σ (1 + nodes) · context: attention's query-key pairs
-    step_ms = cost.verify_ms(tokens, kv, pairs) + cost.draft_ms(levels, drafted, batch, level_kv)
+        tokens = batch + drafted / some
+        pairs = kv + taken @ (kv_per_group * offer) / some  # Σ (1 + nodes) · context: attention's query-key pairs
+    verify_ms = cost.verify_ms(tokens, kv, pairs)
+    if none > 0.0:
+        verify_ms = some * verify_ms + none * cost.verify_ms(batch, kv, kv)
+    step_ms = verify_ms + cost.draft_ms(levels, drafted, batch, level_kv)
     if caution:
         # Only batches that draft pay it: off is what the worker falls back to, and
         # whether a tree pays is what the model may have wrong.
-        step_ms = step_ms + caution * cost.verify_sd_ms(tokens) * (np.asarray(tokens) > batch + 1e-9)
+        step_ms = step_ms + caution * some * cost.verify_sd_ms(tokens) * (np.asarray(tokens) > batch + 1e-9)
     return (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0
 
 
@@ -427,16 +465,6 @@ def observed_mix(obs: Observation) -> tuple[np.ndarray, np.ndarray]:
     return share / share.sum(), means
 
 
-def offered_rank_probs(rank_probs: np.ndarray, offer_rate: float) -> np.ndarray:
-    """``rank_probs`` with position 1 scaled by the drafter's offer rate: every
-    node's value becomes P(a draft is offered) · P(its path is accepted)."""
-    if offer_rate >= 1.0:
-        return rank_probs
-    out = rank_probs.copy()
-    out[0] *= offer_rate
-    return out
-
-
 def table_goodput(table: DecisionTable, obs: Observation, batch: float | None = None) -> float:
     """Estimated tokens per second of ``table`` at the worker's current load
     (a batch of ``batch`` requests, default the mean batch size, drawn from
@@ -446,11 +474,10 @@ def table_goodput(table: DecisionTable, obs: Observation, batch: float | None = 
     groups, offer = [], []
     for c in np.flatnonzero(share):
         d = table.lookup(max(1, round(batch)), obs.context_edges[c])
-        rate = obs.acceptance.offer_rate(c)
-        nodes = best_first_nodes(offered_rank_probs(obs.acceptance.rank_probs(c), rate), d.depth, d.width,
-                                 d.max_nodes if d.depth else 0)
+        nodes = best_first_nodes(obs.acceptance.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0,
+                                 obs.acceptance.offer_probs(c))
         groups.append(BatchGroup(batch * share[c], means[c], nodes))
-        offer.append(rate)
+        offer.append(obs.acceptance.offer_rate(c))
     taken = np.array([len(g.nodes.values) for g in groups])
     return float(step_goodput(groups, taken, obs.cost, np.array(offer), obs.padded_verify))
 
@@ -536,19 +563,21 @@ class GoodputPolicy(Policy[GoodputConfig]):
 
     def node_lists(self, obs: Observation, rank_probs: Sequence[np.ndarray | None]) -> list[list[NodeList]]:
         """``[cap - 1][bucket]`` best-first node lists within the limits, one expansion per
-        distinct ``q`` (buckets never observed share the prior's); a cap whose lists equal
-        the one above is that same list object. A ``None`` bucket gets no nodes."""
+        distinct ``q`` and offer probabilities (buckets never observed share the prior's);
+        a cap whose lists equal the one above is that same list object. A ``None`` bucket
+        gets no nodes."""
         depth, width, nodes = self.limits(obs)
         empty = capped_node_lists(np.zeros((0, 0)), depth, width, nodes)
         by_q: dict[bytes, list[NodeList]] = {}
         per_bucket = []
-        for q in rank_probs:
+        for c, q in enumerate(rank_probs):
             if q is None:
                 per_bucket.append(empty)
                 continue
-            key = q.tobytes()
+            offer = obs.acceptance.offer_probs(c)
+            key = q.tobytes() + offer.tobytes()
             if key not in by_q:
-                by_q[key] = capped_node_lists(q, depth, width, nodes)
+                by_q[key] = capped_node_lists(q, depth, width, nodes, offer)
             per_bucket.append(by_q[key])
         out: list[list[NodeList]] = []
         for cap in range(depth):
@@ -560,8 +589,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
     def decide(self, state: tuple[int, int], obs: Observation) -> tuple[PlanDraft, tuple[int, int]]:
         seed, calls = state
         contexts = range(len(obs.context_edges))
-        lists_by_cap = self.node_lists(obs, [offered_rank_probs(obs.acceptance.rank_probs(c),
-                                                                obs.acceptance.offer_rate(c)) for c in contexts])
+        lists_by_cap = self.node_lists(obs, [obs.acceptance.rank_probs(c) for c in contexts])
         # The row holding today's mean batch is solved at that batch itself: it is
         # where the worker runs, and a bucket's representative size may sit on the
         # other side of the roofline's kink.
@@ -591,8 +619,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
         # Only the buckets that shape the batch (served) and those of the probes matter here.
         wanted = {c for c in range(len(share)) if share[c] >= self.config.min_share}
         wanted |= {bucket_index(obs.context_edges, obs.active_requests[rid]) for rid in probes}
-        sampled = [offered_rank_probs(obs.acceptance.sample_rank_probs(c, rng), obs.acceptance.offer_rate(c))
-                   if c in wanted else None for c in range(len(obs.context_edges))]
+        sampled = [obs.acceptance.sample_rank_probs(c, rng) if c in wanted else None
+                   for c in range(len(obs.context_edges))]
         lists_by_cap = self.node_lists(obs, sampled)
         # The cost model's error is sampled too: a probe may take a batch size the
         # mean decisions avoid because nobody has measured it yet.

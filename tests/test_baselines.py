@@ -54,7 +54,7 @@ class FakeAcceptance:
     def rank_probs(self, context_bucket):
         raise AssertionError("baselines must not read the acceptance model")
 
-    sample_rank_probs = effective_samples = offer_rate = rank_probs
+    sample_rank_probs = effective_samples = offer_rate = offer_probs = rank_probs
 
 
 class FakeCost:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from controller.acceptance import offer_slots
 from controller.config import PlanSettings, ServerConfig
 from controller.core import Controller
 from controller.cost import CostParams, StepCostModel
@@ -164,6 +165,65 @@ def test_the_controller_learns_how_often_a_drafter_offers_a_draft() -> None:
     view = ctl.acceptance.view(lookup.drafter_key, 6, 1)
     assert view.offer_rate(0) == pytest.approx(0.3, abs=0.04)
     assert ctl.acceptance.view(silent.drafter_key, 6, 1).offer_rate(0) == 1.0
+
+
+def test_the_controller_learns_which_candidate_slots_a_drafter_fills() -> None:
+    """Asked for d4 w4 n12 trees, a prompt-lookup worker finds one continuation
+    (a chain of 4, accepting 2) 90 % of the time and two that part at level 1
+    and end at level 2 the rest (2 + 2 nodes, both accepted along the second).
+    The offer cells follow: a second candidate at level 1 for 10 % of the
+    steps, never a third; a first one at level 2 whenever level 2 is reached,
+    at level 3 only on the chain. A worker whose trees spend
+    their node budget tells nothing about the slots it left out, and one that
+    does not report the width asked for keeps every cell at 1."""
+    rng = np.random.default_rng(5)
+    ctl = Controller(ServerConfig(), load_preset("goodput"), clock=lambda: 0.0)
+    lookup = ctl.hello(make_hello("lookup", max_width=4, max_nodes=16, kind=worker_pb2.DRAFTER_KIND_NGRAM,
+                                  version="ngram"))
+    heads = ctl.hello(make_hello("heads", max_width=4, max_nodes=16, version="eagle-x"))
+    silent = ctl.hello(make_hello("silent", max_width=4, max_nodes=16, version="eagle-y"))
+    asked = dict(requested_depth=4, requested_width=4, requested_nodes=12)
+    for i in range(1, 1001):
+        def step(**request) -> worker_pb2.StepReports:
+            s = worker_pb2.StepReport(step_id=i, timestamp=1.0, batch_size=1, draft_ms=0.1, verify_ms=10.0)
+            s.requests.add(request_id=f"r{i}", context_len=300, **request)
+            return worker_pb2.StepReports(steps=[s])
+
+        if rng.random() < 0.9:
+            assert not ctl.ingest(lookup, step(depth=4, width=1, nodes=4, accepted=2, **asked))
+        else:
+            assert not ctl.ingest(lookup, step(depth=2, width=2, nodes=4, accepted=2, accepted_rank=[2, 1],
+                                               level_candidates=[2, 1], **asked))
+        # Budget spent (12 of 12): the missing siblings are not evidence.
+        spent = dict(depth=4, width=4, nodes=12, accepted=0, accepted_rank=[0], level_candidates=[3])
+        assert not ctl.ingest(heads, step(**spent, **asked))
+        assert not ctl.ingest(silent, step(depth=4, width=4, nodes=12, accepted=0, accepted_rank=[0],
+                                           level_candidates=[3], requested_depth=4))
+    offer = ctl.acceptance.view(lookup.drafter_key, 4, 4).offer_probs(0)
+    assert offer[0, 0] == pytest.approx(1.0)
+    assert offer[0, 1] == pytest.approx(0.1, abs=0.03)
+    assert offer[0, 2] < 0.01 and offer[0, 3] < 0.01
+    assert offer[1, 0] == pytest.approx(1.0)
+    assert offer[2, 0] == pytest.approx(0.9, abs=0.03)  # under the accepted leaf at level 2: nothing
+    assert offer[1, 1] < 0.01
+    assert offer[3, 0] == pytest.approx(1.0)  # level 4 never reached: untested
+    assert np.allclose(ctl.acceptance.view(heads.drafter_key, 4, 4).offer_probs(0), 1.0)
+    assert np.allclose(ctl.acceptance.view(silent.drafter_key, 4, 4).offer_probs(0), 1.0)
+
+
+def test_offer_slots_of_each_step_shape() -> None:
+    """Which asked-for slots a step tells about, and what it says."""
+    # Asked d3 w2 n6, nothing offered: neither candidate at level 1.
+    assert offer_slots(0, 0, 0, None, None, 3, 2, 6) == [(0, 1, False)]
+    # A tree whose path took rank 2 at level 1 and ended at a leaf there.
+    assert offer_slots(2, 1, 3, [2], [2], 3, 2, 6) == [(0, 1, True), (1, 0, False), (1, 1, False)]
+    # Refused at level 2 of three with one candidate there: rank 2 was missing.
+    assert offer_slots(3, 1, 4, [1, 0], [2, 1], 3, 2, 6) == [(0, 1, True), (1, 0, True), (1, 1, False)]
+    # The same with the budget spent: only what was offered counts.
+    assert offer_slots(3, 1, 6, [1, 0], [2, 1], 3, 2, 6) == [(0, 1, True), (1, 0, True)]
+    # Width not reported (an older worker), or a chain asked for depth 1: nothing past a draft at all.
+    assert offer_slots(3, 1, 4, [1, 0], [2, 1], 3, 0, 0) == []
+    assert offer_slots(1, 1, 1, None, None, 1, 1, 1) == []
 
 
 def test_a_calibrated_worker_starts_from_its_own_cost_curve() -> None:

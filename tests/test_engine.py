@@ -294,6 +294,8 @@ def test_telemetry_is_measured_and_valid(tiny, decision):
         for i, r in enumerate(proto.requests):
             validate_request_step(r, limits, f"steps[{step.step_id}].requests[{i}]", step.step_id)  # raises if bad
             assert r.requested_depth == decision.depth  # what the decision asked for
+            asked = (decision.width, decision.max_nodes) if decision.depth else (0, 0)
+            assert (r.requested_width, r.requested_nodes) == asked
             if decision.depth == 0:
                 assert r.depth == 0 and r.nodes == 0 and not r.accepted_rank
             else:
@@ -394,7 +396,7 @@ def test_smollm2_engine_ngram_tree_batch2_equals_generate():
     assert engine.generate(prompts, new) == refs
     assert engine.stats.mean_accepted > 0  # the repeated sentence is found in the prompt
     rows = [r for s in rec.steps for r in s.requests]
-    assert all(r.requested_depth == 4 for r in rows)
+    assert all((r.requested_depth, r.requested_width, r.requested_nodes) == (4, 2, 8) for r in rows)
     assert any(r.depth == 0 for r in rows) and any(r.depth > 0 for r in rows)  # asked for, offered or not
 
     tuned = load_model("smollm2-135m", tune_kernels=True, log=None)

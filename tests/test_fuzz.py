@@ -261,7 +261,8 @@ class WorkerModel:
 STEM = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=12)  # unicode, NUL included
 BAD_MS = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, -1e-9, 3.6e6, 1e300])
 REQUEST_DEFECTS = ["request_id", "context_len", "depth", "accepted", "width", "nodes", "accepted_rank",
-                   "level_candidates", "draft_confidence", "rank_value", "candidates_value", "requested_depth"]
+                   "level_candidates", "draft_confidence", "rank_value", "candidates_value", "requested_depth",
+                   "requested_width", "requested_nodes"]
 STEP_DEFECTS = ["step_id", "timestamp", "batch_size", "requests", "draft_ms", "verify_ms", "duplicate_id",
                 "finished_id"]
 
@@ -273,6 +274,7 @@ def draw_request(data, model: WorkerModel, shape: str) -> worker_pb2.RequestStep
                                domain=data.draw(st.sampled_from(["", "chat", "code", "✓"])))
     if shape == "off":  # asked for a draft or not; none offered
         r.requested_depth = data.draw(st.sampled_from([0, 1, MAX_DEPTH]))
+        draw_requested_shape(data, r)
         return r
     r.depth = depth = data.draw(st.integers(1, MAX_DEPTH))
     r.requested_depth = data.draw(st.sampled_from([0, depth, MAX_DEPTH]))
@@ -280,8 +282,10 @@ def draw_request(data, model: WorkerModel, shape: str) -> worker_pb2.RequestStep
     r.accepted = accepted = data.draw(st.integers(0, depth))
     if shape == "chain":
         r.width = 1
+        draw_requested_shape(data, r)
         return r
     r.width = width = data.draw(st.integers(1, MAX_WIDTH))
+    draw_requested_shape(data, r)
     reached = accepted + 1 if accepted < depth else depth
     cands = [data.draw(st.integers(1, width)) for _ in range(reached)]
     r.level_candidates.extend(cands)
@@ -289,6 +293,14 @@ def draw_request(data, model: WorkerModel, shape: str) -> worker_pb2.RequestStep
     if data.draw(st.booleans()):
         r.draft_confidence.extend(data.draw(st.floats(0.0, 1.0, width=32)) for _ in range(reached))
     return r
+
+
+def draw_requested_shape(data, r: worker_pb2.RequestStep) -> None:
+    """The width and node budget asked for, when a depth was: unreported, what
+    the step used, or the drafter's limit."""
+    if r.requested_depth:
+        r.requested_width = data.draw(st.sampled_from([0, max(r.width, 1), MAX_WIDTH]))
+        r.requested_nodes = data.draw(st.sampled_from([0, max(r.nodes, 1), MAX_NODES]))
 
 
 def apply_request_defect(data, r: worker_pb2.RequestStep, defect: str) -> str | None:
@@ -334,6 +346,14 @@ def apply_request_defect(data, r: worker_pb2.RequestStep, defect: str) -> str | 
         shallower = st.integers(1, r.depth - 1) if r.depth > 1 else st.just(-1)
         r.requested_depth = data.draw(st.one_of(st.integers(-(1 << 31), -1), st.integers(MAX_DEPTH + 1, (1 << 31) - 1),
                                                 shallower))
+    elif defect in ("requested_width", "requested_nodes"):  # asked with no depth, out of range, or below the tree
+        used, limit = (r.width, MAX_WIDTH) if defect == "requested_width" else (r.nodes, MAX_NODES)
+        if not r.requested_depth:
+            setattr(r, defect, data.draw(st.integers(1, (1 << 31) - 1)))
+        else:
+            below = st.integers(1, used - 1) if used > 1 else st.just(-1)
+            setattr(r, defect, data.draw(st.one_of(st.integers(-(1 << 31), -1),
+                                                   st.integers(limit + 1, (1 << 31) - 1), below)))
     elif defect == "candidates_value" and tree:
         k = data.draw(st.integers(0, len(r.level_candidates) - 1))
         r.level_candidates[k] = data.draw(st.sampled_from([0, -1, r.width + 1]))

@@ -163,11 +163,16 @@ def test_depth_cap_search_does_not_buy_a_whole_draft_level_for_one_deep_node():
 
 
 class FixedAcceptance:
-    """The same rank probabilities in every context bucket."""
+    """The same rank and offer probabilities in every context bucket (``offer``:
+    a draft at all, or every slot's)."""
 
-    def __init__(self, q: np.ndarray, offer: float = 1.0) -> None:
+    def __init__(self, q: np.ndarray, offer: float | np.ndarray = 1.0) -> None:
         self.q = q
-        self.offer = offer
+        self.offers = np.ones_like(q)
+        if np.ndim(offer):
+            self.offers = np.asarray(offer, dtype=np.float64)
+        else:
+            self.offers[0, 0] = offer
         self.context_edges = DEFAULT_CONTEXT_EDGES
         self.max_depth, self.max_width = q.shape
 
@@ -181,7 +186,10 @@ class FixedAcceptance:
         return np.full(self.max_depth, 1e6)
 
     def offer_rate(self, context_bucket: int) -> float:
-        return self.offer
+        return float(self.offers[0, 0])
+
+    def offer_probs(self, context_bucket: int) -> np.ndarray:
+        return self.offers
 
 
 def test_hardware_prior_prices_compute_like_a_serving_engine():
@@ -331,3 +339,31 @@ def test_caution_decides_whether_to_speculate_not_which_tree():
 
     assert decision(rmse=14.0).max_nodes == 5
     assert decision(rmse=200.0).max_nodes == 4
+
+
+def test_siblings_the_drafter_seldom_has_are_not_planned():
+    """A CPU-like worker at batch 1: a forward costs 70 ms up to 6 tokens, then 4 ms
+    per token. Second candidates would be accepted 30 % of the time at every
+    position: with a drafter that offers every slot asked for, the plan spends
+    the free tokens on siblings (a shallow, wide tree). A prompt-lookup trie
+    has a second continuation for 5 % of the steps: a sibling is worth
+    0.05 × 0.3 of its parent, and the plan spends the free tokens on a deep
+    chain instead."""
+    cpu = CostParams(mem_ms=0.0, compute_ms=70.0, compute_ms_per_token=4.0, compute_knots=(1.0, 6.0, 7.0),
+                     compute_rise_ms=(0.0, 0.0, 4.0), draft_ms_per_level=0.0)
+    q = np.tile([0.6, 0.3, 0.0, 0.0], (6, 1))
+    seldom = np.tile([1.0, 0.05, 0.01, 0.01], (6, 1))
+
+    def decision(offer) -> Decision:
+        obs = Observation(now=0.0, worker_id="w", drafter=DrafterLimits("ngram", "", 6, 4, 16, 0),
+                          batch_edges=DEFAULT_BATCH_EDGES, context_edges=DEFAULT_CONTEXT_EDGES,
+                          acceptance=FixedAcceptance(q, offer), cost=cpu,
+                          load=LoadProfile(mean_batch_size=1, context_share=(1.0,) + (0.0,) * 8,
+                                           context_mean=(300.0,) + (0.0,) * 8))
+        plan, _ = GoodputPolicy(GoodputConfig(probe_fraction=0.0)).decide((0, 0), obs)
+        return plan.table.lookup(1, 300)
+
+    tree, chain = decision(1.0), decision(seldom)
+    assert tree.width >= 2 and tree.depth <= 4, tree
+    assert chain == Decision(5, 1, 5), chain  # 1 + 5 tokens: all the forward has for free
+

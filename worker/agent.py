@@ -85,6 +85,8 @@ def step_to_proto(step: StepTelemetry) -> worker_pb2.StepReport:
             draft_confidence=r.draft_confidence,
             domain=r.domain,
             requested_depth=r.requested_depth,
+            requested_width=r.requested_width,
+            requested_nodes=r.requested_nodes,
         )
     return report
 

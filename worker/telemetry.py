@@ -18,9 +18,10 @@ class RequestTelemetry:
     one entry per level reached (``min(accepted + 1, depth)`` entries): the
     1-based rank of the accepted candidate (0 = none) and how many candidates
     were offered there. Left empty for a chain, they are derived from
-    ``accepted`` and ``depth``. ``requested_depth``: the depth the decision
-    asked for (0 = off or unknown); with ``depth`` 0 it says the drafter
-    offered nothing.
+    ``accepted`` and ``depth``. ``requested_depth``, ``requested_width``,
+    ``requested_nodes``: the decision's shape (0 = off or unknown); with
+    ``depth`` 0 they say the drafter offered nothing, with a smaller tree
+    which candidates it did not have.
     """
 
     request_id: str
@@ -34,6 +35,8 @@ class RequestTelemetry:
     draft_confidence: Sequence[float] = ()
     domain: str = ""
     requested_depth: int = 0
+    requested_width: int = 0
+    requested_nodes: int = 0
 
     def position_outcomes(self) -> tuple[list[int], list[int]]:
         """(accepted_rank, level_candidates), derived for chains when not given."""

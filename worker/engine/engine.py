@@ -422,6 +422,8 @@ class Engine:
                 draft_confidence=o.draft_confidence if depth else (),
                 domain=req.domain,
                 requested_depth=decisions[b].depth,
+                requested_width=decisions[b].width if decisions[b].depth else 0,
+                requested_nodes=decisions[b].max_nodes if decisions[b].depth else 0,
             ))
             if wants_hidden:
                 row.pending.append(hidden[b, o.path].clone())

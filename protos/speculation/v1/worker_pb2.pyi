@@ -102,7 +102,7 @@ class VerifySample(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., verify_ms: _Optional[float] = ..., repeats: _Optional[int] = ...) -> None: ...
 
 class RequestStep(_message.Message):
-    __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain", "requested_depth")
+    __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain", "requested_depth", "requested_width", "requested_nodes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,8 @@ class RequestStep(_message.Message):
     DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_NODES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_len: int
     depth: int
@@ -125,7 +127,9 @@ class RequestStep(_message.Message):
     draft_confidence: _containers.RepeatedScalarFieldContainer[float]
     domain: str
     requested_depth: int
-    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., nodes: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_rank: _Optional[_Iterable[int]] = ..., level_candidates: _Optional[_Iterable[int]] = ..., draft_confidence: _Optional[_Iterable[float]] = ..., domain: _Optional[str] = ..., requested_depth: _Optional[int] = ...) -> None: ...
+    requested_width: int
+    requested_nodes: int
+    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., nodes: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_rank: _Optional[_Iterable[int]] = ..., level_candidates: _Optional[_Iterable[int]] = ..., draft_confidence: _Optional[_Iterable[float]] = ..., domain: _Optional[str] = ..., requested_depth: _Optional[int] = ..., requested_width: _Optional[int] = ..., requested_nodes: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("step_id", "timestamp", "batch_size", "draft_ms", "verify_ms", "requests")
