@@ -45,6 +45,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from controller.drift.cells import outcome_key
 
 @dataclass(frozen=True)
 class AcceptancePrior:
@@ -230,14 +231,11 @@ def offer_slots(depth: int, accepted: int, nodes: int, accepted_rank: Sequence[i
     if requested_width <= 0 or requested_depth <= 0:
         return []
     if depth == 0:
-        ranks, cands = [0], [0]
-    elif accepted_rank is None:
-        reached = min(accepted + 1, depth)
-        ranks, cands = [1] * min(accepted, reached) + [0] * (reached - min(accepted, reached)), [1] * reached
+        ranks, cands = (0,), (0,)
     else:
-        ranks, cands = list(accepted_rank), list(level_candidates or ())
+        ranks, cands = outcome_key(accepted, depth, accepted_rank or (), level_candidates or ())
     if ranks[-1] != 0:  # the path's last node was accepted: the level under it had nothing
-        ranks, cands = ranks + [0], cands + [0]
+        ranks, cands = ranks + (0,), cands + (0,)
     spent = 0 < requested_nodes <= nodes
     slots = []
     for level, offered in enumerate(cands[:requested_depth]):

@@ -28,11 +28,11 @@ shrink with it: a request that gets a draft is charged every node asked for,
 because a trie that has a second continuation usually has several and fills
 the budget (priced by expected presence, the reference worker's n-gram trees
 of 24 nodes ran at 1.14× plain against its d4 chain's 1.27×: the step cost
-is convex in tokens and the siblings come together). On a worker whose forward pads
-every request's block to the largest (``Observation.padded_verify``) a batch
-costs ``batch · (1 + widest block)`` tokens: one request's deep tree is paid
-by every row, and a rare context bucket takes only the nodes that fit in the
-padding already paid for.
+is convex in tokens and the siblings come together). On a worker whose
+forward pads every request's block to the largest
+(``Observation.padded_verify``) a batch costs ``batch · (1 + widest block)``
+tokens: one request's deep tree is paid by every row, and a rare context
+bucket takes only the nodes that fit in the padding already paid for.
 
 Depth caps: a draft level is one drafter forward for the whole batch, so a
 value-ordered prefix can buy one deep node with a whole level's draft time.

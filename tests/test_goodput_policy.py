@@ -16,6 +16,7 @@ from policies.goodput import (
     allocate,
     best_first_nodes,
     capped_node_lists,
+    step_goodput,
 )
 from policies.table import DEFAULT_BATCH_EDGES, DEFAULT_CONTEXT_EDGES, Decision
 
@@ -367,3 +368,20 @@ def test_siblings_the_drafter_seldom_has_are_not_planned():
     assert tree.width >= 2 and tree.depth <= 4, tree
     assert chain == Decision(5, 1, 5), chain  # 1 + 5 tokens: all the forward has for free
 
+
+
+def test_a_step_that_may_not_draft_is_priced_as_a_mixture_of_plain_and_drafting_forwards():
+    """Batch 1, a drafter that offers a draft on 40 % of the steps, a forward flat
+    at 70 ms up to 6 tokens and 4 ms per token after: a 10-node chain is priced
+    0.4 · T(11 tokens) + 0.6 · T(1), not T(1 + 0.4 · 10) (the flat part, where the
+    10-node chain would look almost free)."""
+    cpu = CostParams(mem_ms=0.0, compute_ms=70.0, compute_ms_per_token=4.0, compute_knots=(1.0, 6.0, 7.0),
+                     compute_rise_ms=(0.0, 0.0, 4.0), draft_ms_per_level=0.0, draft_fixed_ms=0.0,
+                     draft_ms_per_node=0.0)
+    nodes = best_first_nodes(np.full((10, 1), 0.5), 10, 1, 10, np.array([[0.4]] + [[1.0]] * 9))
+    group = BatchGroup(1.0, 300.0, nodes)
+    goodput = float(step_goodput([group], np.array([10]), cpu, np.array([0.4])))
+    mixture_ms = 0.4 * float(cpu.verify_ms(11.0, 300.0, 11 * 300.0)) + 0.6 * float(cpu.verify_ms(1.0, 300.0, 300.0))
+    assert goodput == pytest.approx((1.0 + nodes.values.sum()) / mixture_ms * 1000.0)
+    mean_ms = float(cpu.verify_ms(5.0, 300.0, 5 * 300.0))
+    assert mixture_ms > 1.1 * mean_ms  # what pricing the mean tokens missed
