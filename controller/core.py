@@ -82,6 +82,9 @@ class WorkerState:
     steps_ingested: int = 0
     last_report_at: float = 0.0
     active: OrderedDict[str, int] = field(default_factory=OrderedDict)  # request id -> context_len
+    # Request id -> tokens its drafter had seen after the request's last drafting
+    # step: a drafter that catches up (EAGLE) owes it the rest of its context.
+    drafted_through: dict[str, int] = field(default_factory=dict)
     finished_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     recent_finished: deque = field(default_factory=lambda: deque(maxlen=RECENT_FINISHED))
@@ -273,10 +276,15 @@ class Controller:
         outcomes = []
         unreported = step.batch_size - len(rows)  # requests not reported decode one token each
         batch_tokens = tokens = unreported
-        kv_tokens = max_depth = total_nodes = level_kv = attn_pairs = 0
+        kv_tokens = max_depth = total_nodes = level_kv = attn_pairs = caught_up = 0
+        drafted_through = state.drafted_through
         posteriors = None
         for row in rows:
-            rid, ctx, depth, width, nodes, accepted, ranks, cands, requested, requested_width, requested_nodes = row
+            (rid, ctx, depth, width, nodes, accepted, ranks, cands, requested, requested_width, requested_nodes,
+             caught) = row
+            caught_up += caught
+            if requested or depth:
+                drafted_through[rid] = ctx + accepted + 1
             batch_tokens += 1 + nodes
             kv_tokens += ctx
             attn_pairs += (1 + nodes) * ctx
@@ -317,25 +325,29 @@ class Controller:
             if keep_requests:
                 outcomes.append(RequestOutcome(rid, ctx, depth, width, nodes, accepted))
         while len(active) > self.config.max_active_requests:
-            active.popitem(last=False)
+            drafted_through.pop(active.popitem(last=False)[0], None)
         draft_ms, verify_ms, batch = step.draft_ms, step.verify_ms, step.batch_size
+        catch_up_ms = step.catch_up_ms
+        if caught_up:
+            state.cost.observe_catch_up(caught_up, catch_up_ms)
         if state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED:  # what the forward really computed
             widest = 1 + max((row[4] for row in rows), default=0)
             batch_tokens, attn_pairs = batch * widest, kv_tokens * widest
         state.cost.observe_step(batch_tokens, kv_tokens, max_depth, total_nodes, level_kv, draft_ms, verify_ms,
                                 attn_pairs)
         state.recent_steps.append(
-            StepOutcome(step.step_id, step.timestamp, batch, draft_ms, verify_ms, tuple(outcomes), tokens))
+            StepOutcome(step.step_id, step.timestamp, batch, draft_ms, verify_ms, tuple(outcomes), tokens,
+                        catch_up_ms))
         keep = 1 - LOAD_EMA
         state.batch_ema = batch if state.steps_ingested == 0 else keep * state.batch_ema + LOAD_EMA * batch
         state.last_batch_size = batch
         state.tokens_ema = keep * state.tokens_ema + LOAD_EMA * tokens
-        state.step_ms_ema = keep * state.step_ms_ema + LOAD_EMA * (draft_ms + verify_ms)
+        state.step_ms_ema = keep * state.step_ms_ema + LOAD_EMA * (draft_ms + verify_ms + catch_up_ms)
         state.last_step_id = step.step_id
         state.steps_ingested += 1
         state.steps_total += 1
         state.tokens_total += tokens
-        state.step_ms_total += draft_ms + verify_ms
+        state.step_ms_total += draft_ms + verify_ms + catch_up_ms
         state.new_steps += 1
         state.last_report_at = now
         for hook in self.on_step:
@@ -352,6 +364,7 @@ class Controller:
         except Invalid as err:
             return self.reject(state, err)
         del state.active[msg.request_id]
+        state.drafted_through.pop(msg.request_id, None)
         state.finished_ids[msg.request_id] = None
         while len(state.finished_ids) > FINISHED_IDS:
             state.finished_ids.popitem(last=False)
@@ -407,6 +420,7 @@ class Controller:
             steps=tuple(state.recent_steps),
             finished=tuple(state.recent_finished),
             active_requests=dict(state.active),
+            catch_up_owed={rid: max(ctx - state.drafted_through.get(rid, 0), 0) for rid, ctx in state.active.items()},
             max_batch_size=state.hello.max_batch_size or 256,
             padded_verify=state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED,
         )
@@ -562,7 +576,7 @@ class Controller:
                 compute_knots=p.compute_knots, compute_rise_ms=p.compute_rise_ms, draft_fixed_ms=p.draft_fixed_ms,
                 draft_ms_per_level=p.draft_ms_per_level, draft_ms_per_node=p.draft_ms_per_node,
                 draft_ms_per_level_kv_token=p.draft_ms_per_level_kv_token,
-                samples=state.cost.samples, rmse_ms=state.cost.rmse_ms,
+                catch_up_ms_per_token=p.catch_up_ms_per_token, samples=state.cost.samples, rmse_ms=state.cost.rmse_ms,
             ),
             mean_batch_size=state.batch_ema,
             mean_context_len=_mean_context(state),

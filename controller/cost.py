@@ -93,6 +93,9 @@ class CostParams:
     draft_ms_per_level: float = 0.5
     draft_ms_per_node: float = 0.0
     draft_ms_per_level_kv_token: float = 0.0
+    # A drafter that follows the target's features catches a request up on
+    # the tokens it was off for before it drafts again (ms per token).
+    catch_up_ms_per_token: float = 0.0
 
     @classmethod
     def from_hardware(
@@ -198,6 +201,12 @@ class CostParams:
             + self.draft_ms_per_node * np.asarray(total_nodes, dtype=float)
             + self.draft_ms_per_level_kv_token * np.asarray(level_kv_tokens, dtype=float)
         )
+        return float(out) if out.ndim == 0 else out
+
+
+    def catch_up_ms(self, tokens):
+        """Time to catch a drafter up on ``tokens`` queued features."""
+        out = self.catch_up_ms_per_token * np.asarray(tokens, dtype=float)
         return float(out) if out.ndim == 0 else out
 
 
@@ -374,6 +383,10 @@ class StepCostModel:
         self._draft_xtx = np.zeros((4, 4))
         self._draft_xty = np.zeros(4)
         self._draft_weight = 0.0
+        # Catch-ups: decayed Σ ms and Σ tokens (a ratio through the origin).
+        self._catch_up_ms = 0.0
+        self._catch_up_tokens = 0.0
+        self._catch_ups = 0.0
         # Observations since the last fold (bounded: folded every PENDING_FOLD).
         self._pending: list[tuple[float, float, float, float]] = []
         self._pending_draft: list[tuple[float, float, float, float, float]] = []
@@ -440,6 +453,18 @@ class StepCostModel:
         if len(self._pending_draft) >= PENDING_FOLD:
             self._fold()
 
+    def observe_catch_up(self, tokens: int, catch_up_ms: float) -> None:
+        """One step's catch-up: ``tokens`` caught up on in ``catch_up_ms``."""
+        if tokens <= 0:
+            return
+        if self._catch_ups >= self.max_cell_weight:  # follow a worker that changes
+            self._catch_up_ms *= 0.5
+            self._catch_up_tokens *= 0.5
+            self._catch_ups *= 0.5
+        self._catch_up_ms += catch_up_ms
+        self._catch_up_tokens += tokens
+        self._catch_ups += 1.0
+
     def observe_step(self, batch_tokens: int, kv_tokens: int, max_depth: int, total_nodes: int,
                      level_kv_tokens: float, draft_ms: float, verify_ms: float, attn_pairs: float = 0.0) -> None:
         self.observe_verify(batch_tokens, kv_tokens, verify_ms, attn_pairs)
@@ -501,6 +526,8 @@ class StepCostModel:
                 params = replace(params, compute_evidence=tuple(float(e) for e in per_segment),
                                  verify_rmse_ms=self.rmse_ms)
         params = self._fit_draft(params)
+        if self._catch_up_tokens > 0:
+            params = replace(params, catch_up_ms_per_token=self._catch_up_ms / self._catch_up_tokens)
         self.params = params
         return params
 

@@ -150,6 +150,12 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
 
 
 def _check_requested_shape(r: worker_pb2.RequestStep, limits: DrafterLimits, path: str, step_id: int) -> None:
+    caught = r.caught_up_tokens
+    if not 0 <= caught <= r.context_len:
+        raise _bad(path, "caught_up_tokens", f"{caught} must be in 0..context_len ({r.context_len})", step_id)
+    if caught and not (r.requested_depth or r.depth):
+        raise _bad(path, "caught_up_tokens", f"{caught} must be 0 when the request did not ask for a draft "
+                   "(requested_depth and depth 0)", step_id)
     for name, used, limit, what in (("requested_width", r.width, limits.max_width, "max_width"),
                                     ("requested_nodes", r.nodes, limits.max_tree_nodes, "max_tree_nodes")):
         value = getattr(r, name)
@@ -171,9 +177,10 @@ def _check_confidence(confidence, levels: int, path: str, step_id: int) -> None:
 
 # One validated request of a step: (request_id, context_len, depth, width,
 # nodes, accepted, accepted_rank, level_candidates, requested_depth,
-# requested_width, requested_nodes); ranks and candidates are None for a chain
-# or an off request (the per-position outcome follows from τ).
-RequestRow = tuple[str, int, int, int, int, int, "tuple[int, ...] | None", "tuple[int, ...] | None", int, int, int]
+# requested_width, requested_nodes, caught_up_tokens); ranks and candidates are
+# None for a chain or an off request (the per-position outcome follows from τ).
+RequestRow = tuple[str, int, int, int, int, int, "tuple[int, ...] | None", "tuple[int, ...] | None", int, int, int,
+                   int]
 
 
 def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
@@ -190,7 +197,7 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
     requests = step.requests
     if len(requests) > step.batch_size:
         raise _bad(path, "requests", f"{len(requests)} entries exceed batch_size {step.batch_size}", sid)
-    for name in ("draft_ms", "verify_ms"):
+    for name in ("draft_ms", "verify_ms", "catch_up_ms"):
         value = getattr(step, name)
         if not (math.isfinite(value) and 0.0 <= value < 3.6e6):
             raise _bad(path, name, f"{value} must be finite, >= 0 and < 1 h", sid)
@@ -201,7 +208,7 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
     for i, r in enumerate(requests):
         rid, ctx, depth, width, nodes, accepted = r.request_id, r.context_len, r.depth, r.width, r.nodes, r.accepted
         ranks, requested = r.accepted_rank, r.requested_depth
-        requested_width, requested_nodes = r.requested_width, r.requested_nodes
+        requested_width, requested_nodes, caught = r.requested_width, r.requested_nodes, r.caught_up_tokens
         # Fast path for the common shapes (off, or a chain with the τ shorthand);
         # anything else gets the full field-by-field check and its message.
         if rid and 0 <= ctx <= MAX_CONTEXT_LEN and 0 <= accepted <= depth <= max_depth and not ranks and (
@@ -210,17 +217,17 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
             (requested == 0 and requested_width == 0 and requested_nodes == 0) or (
                 depth <= requested <= max_depth and (requested_width == 0 or 1 <= requested_width <= max_width)
                 and (requested_nodes == 0 or max(nodes, 1) <= requested_nodes <= max_nodes))
-        ):
+        ) and (caught == 0 or (requested and 0 < caught <= ctx)):
             rows.append((rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
-                         requested_nodes))
+                         requested_nodes, caught))
             continue
         validate_request_step(r, limits, f"{path}.requests[{i}]", sid)
         if depth and ranks:
             rows.append((rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates),
-                         requested, requested_width, requested_nodes))
+                         requested, requested_width, requested_nodes, caught))
         else:
             rows.append((rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
-                         requested_nodes))
+                         requested_nodes, caught))
     if len(rows) > 1 and len({row[0] for row in rows}) < len(rows):
         seen: set[str] = set()
         for j, row in enumerate(rows):

@@ -161,17 +161,21 @@ def step_to_dict(step: worker_pb2.StepReport) -> dict[str, Any]:
             d["draft_confidence"] = [round(c, 6) for c in r.draft_confidence]
         if r.domain:
             d["domain"] = r.domain
-        for name in ("requested_depth", "requested_width", "requested_nodes"):
+        for name in ("requested_depth", "requested_width", "requested_nodes", "caught_up_tokens"):
             if getattr(r, name):
                 d[name] = getattr(r, name)
         requests.append(d)
-    return {"step_id": step.step_id, "timestamp": step.timestamp, "batch_size": step.batch_size,
-            "draft_ms": step.draft_ms, "verify_ms": step.verify_ms, "requests": requests}
+    out = {"step_id": step.step_id, "timestamp": step.timestamp, "batch_size": step.batch_size,
+           "draft_ms": step.draft_ms, "verify_ms": step.verify_ms, "requests": requests}
+    if step.catch_up_ms:
+        out["catch_up_ms"] = step.catch_up_ms
+    return out
 
 
 def step_from_dict(d: dict[str, Any]) -> worker_pb2.StepReport:
     step = worker_pb2.StepReport(step_id=d["step_id"], timestamp=d.get("timestamp", 0.0), batch_size=d["batch_size"],
-                                 draft_ms=d.get("draft_ms", 0.0), verify_ms=d.get("verify_ms", 0.0))
+                                 draft_ms=d.get("draft_ms", 0.0), verify_ms=d.get("verify_ms", 0.0),
+                                 catch_up_ms=d.get("catch_up_ms", 0.0))
     for r in d.get("requests", ()):
         step.requests.add(**r)
     return step

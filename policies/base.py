@@ -63,6 +63,7 @@ class StepOutcome:
     verify_ms: float
     requests: tuple[RequestOutcome, ...] = ()
     emitted: int | None = None
+    catch_up_ms: float = 0.0  # the drafter catching requests up before the draft
 
     @property
     def tokens(self) -> int:
@@ -73,7 +74,7 @@ class StepOutcome:
 
     @property
     def step_ms(self) -> float:
-        return self.draft_ms + self.verify_ms
+        return self.draft_ms + self.verify_ms + self.catch_up_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,10 @@ class CostEstimate(Protocol):
     ) -> np.ndarray | float:
         ...
 
+    def catch_up_ms(self, tokens: np.ndarray | float) -> np.ndarray | float:
+        """Time for the drafter to catch up on ``tokens`` queued features."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class LoadProfile:
@@ -182,6 +187,10 @@ class Observation:
     finished: tuple[FinishedRequest, ...] = ()
     # Requests in flight right now (ids seen in steps and not finished).
     active_requests: Mapping[str, int] = field(default_factory=dict)  # id -> context_len
+    # Tokens each active request's drafter would catch up on if it drafted now:
+    # its context since its last drafting step (all of it if it never drafted);
+    # priced by ``cost.catch_up_ms``, which is 0 for drafters that never catch up.
+    catch_up_owed: Mapping[str, int] = field(default_factory=dict)  # id -> tokens
     max_batch_size: int = 256
     # The worker's forward pads every request's draft block to the largest
     # (``VERIFY_LAYOUT_PADDED``): it computes batch · (1 + max nodes) tokens.

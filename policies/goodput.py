@@ -94,6 +94,11 @@ class GoodputConfig(BaseModel):
         1.0, ge=0.0, le=10.0,
         description="standard errors of the fitted verify time added to every batch that drafts (probes draw it)",
     )
+    catch_up_horizon_steps: float = Field(
+        16.0, gt=0.0, le=4096.0,
+        description="steps over which switching a request on pays back its drafter's catch-up on the context "
+                    "it was off for (a one-off cost, spread over this many steps)",
+    )
     seed: int = Field(0, ge=0)
 
 
@@ -287,7 +292,7 @@ def expected_max_depth(depths: np.ndarray, shares: np.ndarray, batch: float) -> 
 
 def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray, depths: np.ndarray,
                    taken: np.ndarray, cost, offer: np.ndarray | None = None, padded: bool = False,
-                   caution: float = 0.0) -> np.ndarray:
+                   caution: float = 0.0, switch_ms: np.ndarray | None = None) -> np.ndarray:
     """Expected tokens per second of a batch of groups (``counts`` requests of
     ``contexts`` tokens each) that accept ``gained`` draft tokens in expectation
     and whose requests draft ``taken[..., g]`` nodes in ``depths[..., g]`` levels:
@@ -306,7 +311,9 @@ def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray,
     ``max_g taken_g · P(some request of g gets a draft)``. ``caution``: the
     verify time of every batch that drafts is raised by this many of the cost
     model's standard errors at its batch tokens (``cost.verify_sd_ms``);
-    negative values are optimistic.
+    negative values are optimistic. ``switch_ms[g]``: ms added to every step
+    in which group ``g`` drafts (its drafter's catch-up, spread over the
+    steps it will draft for).
     """
     batch = float(counts.sum())
     offer = np.ones_like(counts) if offer is None else np.asarray(offer, dtype=np.float64)
@@ -331,6 +338,8 @@ def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray,
         # Only batches that draft pay it: off is what the worker falls back to, and
         # whether a tree pays is what the model may have wrong.
         step_ms = step_ms + caution * some * cost.verify_sd_ms(tokens) * (np.asarray(tokens) > batch + 1e-9)
+    if switch_ms is not None:
+        step_ms = step_ms + (taken > 0) @ np.asarray(switch_ms, dtype=np.float64)
     return (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0
 
 
@@ -402,10 +411,11 @@ class PrefixTable:
 
     def best(self, counts: Sequence[float], contexts: Sequence[float], cost, min_gain: float = 0.0,
              offer: Sequence[float] | None = None, padded: bool = False,
-             caution: float = 0.0) -> tuple[int, Allocation]:
+             caution: float = 0.0, switch_ms: Sequence[float] | None = None) -> tuple[int, Allocation]:
         """The best cap's index and its allocation for a batch of ``counts``
         requests per group; speculation must beat off by ``min_gain``
-        (``offer``, ``padded``, ``caution``: as in :func:`prefix_goodput`).
+        (``offer``, ``padded``, ``caution``, ``switch_ms``: as in
+        :func:`prefix_goodput`).
         The prefix with the best expected goodput wins if its cautious goodput
         beats off; else the best cautious one does, if any beats off; else off.
         The allocation reports the expected goodput."""
@@ -414,13 +424,15 @@ class PrefixTable:
             return 0, Allocation((0,) * len(counts), 0.0, 0.0)
         offer_rates = None if offer is None else np.asarray(offer, dtype=np.float64)
         contexts = np.asarray(contexts, dtype=np.float64)
+        switch = None if switch_ms is None else np.asarray(switch_ms, dtype=np.float64)
         gained = self.gained @ counts
 
         def judged(rows=slice(None)) -> np.ndarray:  # cautious goodput of some prefixes
             return prefix_goodput(counts, contexts, gained[rows], self.depths[rows], self.taken[rows], cost,
-                                  offer_rates, padded, caution)
+                                  offer_rates, padded, caution, switch)
 
-        goodput = prefix_goodput(counts, contexts, gained, self.depths, self.taken, cost, offer_rates, padded)
+        goodput = prefix_goodput(counts, contexts, gained, self.depths, self.taken, cost, offer_rates, padded,
+                                 switch_ms=switch)
         # The expected goodput picks the tree; caution only decides whether to
         # speculate at all (a well-measured smaller tree may still beat off).
         best = int(np.argmax(goodput))
@@ -501,7 +513,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
 
     def solve_row(self, obs: Observation, lists_by_cap: Sequence[Sequence[NodeList]], batch_bucket: int,
                   batch: float | None = None, prefixes: tuple[list[int], list[int], PrefixTable] | None = None,
-                  caution: float | None = None) -> tuple[int, list[int], float]:
+                  caution: float | None = None,
+                  switch_ms: Sequence[float] | None = None) -> tuple[int, list[int], float]:
         """Depth cap and nodes per request for every context bucket at one batch size
         (``batch``; default: the bucket's representative size).
 
@@ -518,7 +531,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
         when the caller solves many rows. ``caution``: standard errors of the
         cost model added to drafting batches (default ``cost_caution``: a
         batch size the worker has not run must win by the model's error).
-        Returns (cap, nodes per bucket, expected goodput).
+        ``switch_ms[c]``: per-step ms a step pays when bucket ``c`` drafts
+        (:meth:`catch_up_charge`; none by default). Returns (cap, nodes per bucket, expected goodput).
         """
         share, means = observed_mix(obs)
         if batch is None:
@@ -528,7 +542,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
         contexts = [means[c] for c in served]
         caution = self.config.cost_caution if caution is None else caution
         index, allocation = table.best(counts, contexts, obs.cost, self.config.min_gain,
-                                       [obs.acceptance.offer_rate(c) for c in served], obs.padded_verify, caution)
+                                       [obs.acceptance.offer_rate(c) for c in served], obs.padded_verify, caution,
+                                       None if switch_ms is None else [switch_ms[c] for c in served])
         cap = distinct[index] + 1
         nodes = dict(zip(served, allocation.nodes_per_group))
         chosen = lists_by_cap[cap - 1]
@@ -552,6 +567,26 @@ class GoodputPolicy(Policy[GoodputConfig]):
             if c not in nodes:
                 nodes[c] = int(np.count_nonzero(chosen[c].values > price))
         return cap, [nodes[c] for c in range(len(chosen))], allocation.goodput_tok_s
+
+    def catch_up_charge(self, obs: Observation) -> list[float] | None:
+        """Per context bucket, the ms a step pays when that bucket's active
+        requests draft: the drafter's catch-up on what they owe
+        (``obs.catch_up_owed``), spread over ``catch_up_horizon_steps``.
+
+        Switching a request on after it was off costs one head forward over
+        everything it missed (EAGLE: its whole context on the first draft),
+        then nothing while it keeps drafting; charged per step, the cost sets
+        a bar that turning on must clear and that staying on does not pay.
+        None when nothing is owed or the worker never reported a catch-up."""
+        owed = [0.0] * len(obs.context_edges)
+        for rid, tokens in obs.catch_up_owed.items():
+            ctx = obs.active_requests.get(rid)
+            if tokens and ctx is not None:
+                owed[bucket_index(obs.context_edges, ctx)] += tokens
+        if not any(owed):
+            return None
+        per_step = np.asarray(obs.cost.catch_up_ms(np.asarray(owed))) / self.config.catch_up_horizon_steps
+        return per_step.tolist() if per_step.any() else None
 
     def prefix_table(self, obs: Observation,
                      lists_by_cap: Sequence[Sequence[NodeList]]) -> tuple[list[int], list[int], PrefixTable]:
@@ -595,10 +630,13 @@ class GoodputPolicy(Policy[GoodputConfig]):
         # other side of the roofline's kink.
         current = bucket_index(obs.batch_edges, max(1, round(obs.load.mean_batch_size)))
         prefixes = self.prefix_table(obs, lists_by_cap)
+        switch = self.catch_up_charge(obs)
         rows, goodputs = [], []
         for b in range(len(obs.batch_edges)):
-            batch = max(1.0, obs.load.mean_batch_size) if b == current else None
-            cap, nodes_per_bucket, goodput = self.solve_row(obs, lists_by_cap, b, batch, prefixes)
+            # Only the row the worker runs now pays its requests' catch-up.
+            batch, row_switch = (max(1.0, obs.load.mean_batch_size), switch) if b == current else (None, None)
+            cap, nodes_per_bucket, goodput = self.solve_row(obs, lists_by_cap, b, batch, prefixes,
+                                                            switch_ms=row_switch)
             rows.append([lists_by_cap[cap - 1][c].decision(m) for c, m in enumerate(nodes_per_bucket)])
             goodputs.append(goodput)
         table = DecisionTable.from_rows(rows, obs.batch_edges, obs.context_edges)
@@ -625,7 +663,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
         # The cost model's error is sampled too: a probe may take a batch size the
         # mean decisions avoid because nobody has measured it yet.
         cost_draw = float(rng.standard_normal())
-        cap, nodes_per_bucket, _ = self.solve_row(obs, lists_by_cap, batch_bucket, float(batch), caution=cost_draw)
+        cap, nodes_per_bucket, _ = self.solve_row(obs, lists_by_cap, batch_bucket, float(batch), caution=cost_draw,
+                                                  switch_ms=self.catch_up_charge(obs))
         overrides, reasons = {}, {}
         for rid in probes:
             c = bucket_index(obs.context_edges, obs.active_requests[rid])

@@ -46,7 +46,8 @@ def cost_params(c: controller_pb2.CostModel) -> CostParams:
                       compute_ms_per_token=c.compute_ms_per_token, compute_ms_per_pair=c.compute_ms_per_pair,
                       compute_knots=tuple(c.compute_knots), compute_rise_ms=tuple(c.compute_rise_ms),
                       draft_fixed_ms=c.draft_fixed_ms, draft_ms_per_level=c.draft_ms_per_level,
-                      draft_ms_per_node=c.draft_ms_per_node, draft_ms_per_level_kv_token=c.draft_ms_per_level_kv_token)
+                      draft_ms_per_node=c.draft_ms_per_node, draft_ms_per_level_kv_token=c.draft_ms_per_level_kv_token,
+                      catch_up_ms_per_token=c.catch_up_ms_per_token)
 
 
 def compute_plane(c: controller_pb2.CostModel) -> str:

@@ -312,3 +312,50 @@ def test_a_load_jump_gets_the_new_row_pushed_before_the_mean_batch_catches_up() 
     assert step(4) == []  # at batch 4 the new row changes nothing
     [plan] = step(8)
     assert state.batch_ema < 5 and state.current.table.lookup(8, 500) == Decision.chain(2)
+
+
+def test_catch_up_is_fitted_per_token_counted_in_step_time_and_owed_per_request() -> None:
+    """A worker whose drafter catches up (EAGLE) reports the tokens and the ms;
+    the controller fits ms per token, counts the ms in the step's time (the
+    observed goodput), and tells the policy what each active request owes:
+    its context since its last drafting step, all of it if it never drafted."""
+    ctl = Controller(ServerConfig(), load_preset("goodput"), clock=lambda: 0.0)
+    state = ctl.hello(make_hello("eagle", max_width=2, max_nodes=8, version="eagle-c"))
+    steps = worker_pb2.StepReports()
+    # Step 1: both requests off. Step 2: "a" switches on and catches up on its
+    # 120-token context in 6 ms. Step 3: "a" drafts again, nothing to catch up.
+    for sid, (a_depth, a_caught, catch_ms) in enumerate([(0, 0, 0.0), (2, 120, 6.0), (2, 0, 0.0)], start=1):
+        s = steps.steps.add(step_id=sid, timestamp=float(sid), batch_size=2, draft_ms=1.0, verify_ms=20.0,
+                            catch_up_ms=catch_ms)
+        ctx_a = 119 + sid
+        a = s.requests.add(request_id="a", context_len=ctx_a, requested_depth=a_depth, caught_up_tokens=a_caught)
+        if a_depth:
+            a.depth, a.width, a.nodes, a.accepted = 2, 1, 2, 0
+        s.requests.add(request_id="b", context_len=50 + sid)
+    assert not ctl.ingest(state, steps)
+    assert state.cost.refit().catch_up_ms_per_token == pytest.approx(6.0 / 120)
+    assert state.step_ms_total == pytest.approx(3 * 21.0 + 6.0)
+    assert sum(s.catch_up_ms for s in state.recent_steps) == pytest.approx(6.0)
+    status = ctl.worker_status(state)
+    assert status.cost_model.catch_up_ms_per_token == pytest.approx(0.05)
+    # "a" drafted at context 122 and accepted nothing: its drafter holds 123
+    # tokens; one more step off at context 125 owes 2. "b" never drafted.
+    more = worker_pb2.StepReports()
+    s = more.steps.add(step_id=4, timestamp=4.0, batch_size=2, draft_ms=0.0, verify_ms=20.0)
+    s.requests.add(request_id="a", context_len=125)
+    s.requests.add(request_id="b", context_len=54)
+    assert not ctl.ingest(state, more)
+    obs = ctl.observation(state, 4.0)
+    assert dict(obs.catch_up_owed) == {"a": 2, "b": 54}
+    assert obs.cost.catch_up_ms(100) == pytest.approx(5.0)
+    ctl.finished(state, worker_pb2.RequestFinished(request_id="a", generated_tokens=6, steps=4, timestamp=5.0))
+    assert "a" not in state.drafted_through and "a" not in ctl.observation(state, 5.0).catch_up_owed
+    # Refused: more tokens than the context, or tokens with no draft asked for.
+    bad = worker_pb2.StepReports()
+    s = bad.steps.add(step_id=5, timestamp=5.0, batch_size=1, verify_ms=20.0)
+    s.requests.add(request_id="b", context_len=55, requested_depth=2, caught_up_tokens=56)
+    s = bad.steps.add(step_id=6, timestamp=6.0, batch_size=1, verify_ms=20.0)
+    s.requests.add(request_id="b", context_len=55, caught_up_tokens=3)
+    [over, unasked] = ctl.ingest(state, bad)
+    assert over.field == "steps[0].requests[0].caught_up_tokens" and "56" in over.detail
+    assert unasked.field == "steps[1].requests[0].caught_up_tokens" and "requested_depth" in unasked.detail

@@ -241,9 +241,10 @@ def test_eagle_runs_its_head_only_for_requests_that_draft(tiny):
     assert off.generate(prompts[:2], NEW) == [r[:NEW] for r in refs[:2]]
     assert pairs_run == [] and off.stats.catch_up_s == 0.0
 
+    rec = Recorder()
     engine = Engine(model, drafter,
                     lambda rid, ctx, batch: Decision.chain(2) if engine.stats.steps >= 3 else Decision.off(),
-                    max_batch=1)
+                    max_batch=1, observer=rec)
     req = engine.submit(prompts[0], NEW)
     for _ in range(3):
         engine.step()
@@ -253,8 +254,13 @@ def test_eagle_runs_its_head_only_for_requests_that_draft(tiny):
     # roots of steps 1-2, then drafts: step 3's root feature, then one more level (one query per row)
     assert pairs_run == [len(prompts[0]) + 2, 1, 1]
     assert engine.stats.catch_up_s > 0.0
+    # The controller hears of it: tokens per request, ms per step (not in draft_ms).
+    assert [r.caught_up_tokens for s in rec.steps for r in s.requests] == [0, 0, 0, len(prompts[0]) + 2]
+    assert [s.catch_up_ms > 0 for s in rec.steps] == [False, False, False, True]
+    assert rec.steps[3].catch_up_ms == pytest.approx(engine.stats.catch_up_s * 1e3)
     engine.run()
     assert req.output == refs[0][:NEW]
+    assert all(r.caught_up_tokens == 0 for s in rec.steps[4:] for r in s.requests)  # drafting on: nothing owed
 
 
 class Recorder:

@@ -262,8 +262,8 @@ STEM = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=1
 BAD_MS = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, -1e-9, 3.6e6, 1e300])
 REQUEST_DEFECTS = ["request_id", "context_len", "depth", "accepted", "width", "nodes", "accepted_rank",
                    "level_candidates", "draft_confidence", "rank_value", "candidates_value", "requested_depth",
-                   "requested_width", "requested_nodes"]
-STEP_DEFECTS = ["step_id", "timestamp", "batch_size", "requests", "draft_ms", "verify_ms", "duplicate_id",
+                   "requested_width", "requested_nodes", "caught_up_tokens"]
+STEP_DEFECTS = ["step_id", "timestamp", "batch_size", "requests", "draft_ms", "verify_ms", "catch_up_ms", "duplicate_id",
                 "finished_id"]
 
 
@@ -297,10 +297,13 @@ def draw_request(data, model: WorkerModel, shape: str) -> worker_pb2.RequestStep
 
 def draw_requested_shape(data, r: worker_pb2.RequestStep) -> None:
     """The width and node budget asked for, when a depth was: unreported, what
-    the step used, or the drafter's limit."""
+    the step used, or the drafter's limit; and the tokens the drafter caught
+    up on, when a draft was asked for (none, one, or the whole context)."""
     if r.requested_depth:
         r.requested_width = data.draw(st.sampled_from([0, max(r.width, 1), MAX_WIDTH]))
         r.requested_nodes = data.draw(st.sampled_from([0, max(r.nodes, 1), MAX_NODES]))
+    if r.requested_depth or r.depth:
+        r.caught_up_tokens = data.draw(st.sampled_from([0, min(r.context_len, 1), r.context_len]))
 
 
 def apply_request_defect(data, r: worker_pb2.RequestStep, defect: str) -> str | None:
@@ -354,6 +357,12 @@ def apply_request_defect(data, r: worker_pb2.RequestStep, defect: str) -> str | 
             below = st.integers(1, used - 1) if used > 1 else st.just(-1)
             setattr(r, defect, data.draw(st.one_of(st.integers(-(1 << 31), -1),
                                                    st.integers(limit + 1, (1 << 31) - 1), below)))
+    elif defect == "caught_up_tokens":  # past the context, negative, or with no draft asked for
+        if r.requested_depth or r.depth:
+            r.caught_up_tokens = data.draw(st.one_of(st.integers(-(1 << 31), -1),
+                                                     st.integers(r.context_len + 1, (1 << 31) - 1)))
+        else:
+            r.caught_up_tokens = data.draw(st.integers(1, (1 << 31) - 1))
     elif defect == "candidates_value" and tree:
         k = data.draw(st.integers(0, len(r.level_candidates) - 1))
         r.level_candidates[k] = data.draw(st.sampled_from([0, -1, r.width + 1]))
@@ -371,6 +380,7 @@ def draw_step(data, model: WorkerModel, index: int) -> tuple[worker_pb2.StepRepo
     step = worker_pb2.StepReport(
         timestamp=data.draw(st.floats(0.0, 1e10)),
         draft_ms=data.draw(st.floats(0.0, 3.6e6, exclude_max=True)),
+        catch_up_ms=data.draw(st.sampled_from([0.0, 1.5, 3.6e6 - 1.0])),
         verify_ms=data.draw(st.floats(0.0, 3.6e6, exclude_min=True, exclude_max=True)),
         batch_size=data.draw(st.integers(max(1, len(requests)), MAX_BATCH)),
     )
@@ -395,8 +405,8 @@ def draw_step(data, model: WorkerModel, index: int) -> tuple[worker_pb2.StepRepo
         requests += [worker_pb2.RequestStep(request_id=model.request_id("x")) for _ in range(extra)]
         step.batch_size = data.draw(st.integers(1, min(MAX_BATCH, len(requests) - 1)))
         expected = ("REJECT_REASON_INVALID_FIELD", f"{path}.requests")
-    elif defect in ("draft_ms", "verify_ms"):
-        setattr(step, defect, data.draw(BAD_MS if defect == "draft_ms" else st.one_of(BAD_MS, st.just(0.0))))
+    elif defect in ("draft_ms", "verify_ms", "catch_up_ms"):
+        setattr(step, defect, data.draw(st.one_of(BAD_MS, st.just(0.0)) if defect == "verify_ms" else BAD_MS))
         expected = ("REJECT_REASON_INVALID_FIELD", f"{path}.{defect}")
     elif defect == "duplicate_id" and requests:
         twin = worker_pb2.RequestStep(request_id=requests[0].request_id, context_len=7)

@@ -385,3 +385,36 @@ def test_a_step_that_may_not_draft_is_priced_as_a_mixture_of_plain_and_drafting_
     assert goodput == pytest.approx((1.0 + nodes.values.sum()) / mixture_ms * 1000.0)
     mean_ms = float(cpu.verify_ms(5.0, 300.0, 5 * 300.0))
     assert mixture_ms > 1.1 * mean_ms  # what pricing the mean tokens missed
+
+
+def test_switching_on_pays_the_drafters_catch_up_and_staying_on_does_not():
+    """Batch 8 of the reference worker, where a d1 chain is 6 % better than off
+    (as above, with the 16-token price trusted). Its EAGLE-like drafter catches
+    up at 0.05 ms a token: eight requests that never drafted owe their 300-token
+    contexts, 120 ms in all, 7.5 ms a step over 16 steps, and switching on no
+    longer pays (11.36 tokens in 107.5 ms against 8 in 75). Requests that have
+    been drafting owe nothing and stay on; a drafter that never catches up
+    (rate 0), or a longer horizon (1.9 ms a step), goes on."""
+    knots = (1.0, 8.0, 16.0, 24.0)
+
+    def plan(owed: int, per_token: float = 0.05, horizon: float = 16.0) -> Decision:
+        cost = CostParams(mem_ms=0.0, compute_ms=75.0, compute_ms_per_token=3.125, compute_knots=knots,
+                          compute_rise_ms=(0.0, 0.0, 25.0, 50.0), draft_ms_per_level=0.0,
+                          compute_evidence=(500.0, 500.0, 400.0, 0.0), verify_rmse_ms=12.0,
+                          catch_up_ms_per_token=per_token)
+        active = {f"req-{i}": 300 for i in range(8)}
+        obs = Observation(now=0.0, worker_id="w", drafter=DrafterLimits("eagle", "", 1, 1, 1, 0),
+                          batch_edges=DEFAULT_BATCH_EDGES, context_edges=DEFAULT_CONTEXT_EDGES,
+                          acceptance=FixedAcceptance(np.array([[0.42]])), cost=cost,
+                          load=LoadProfile(mean_batch_size=8, context_share=(1.0,) + (0.0,) * 8,
+                                           context_mean=(300.0,) + (0.0,) * 8),
+                          active_requests=active, catch_up_owed={rid: owed for rid in active},
+                          padded_verify=True)
+        config = GoodputConfig(probe_fraction=0.0, cost_caution=0.0, catch_up_horizon_steps=horizon)
+        draft, _ = GoodputPolicy(config).decide((0, 0), obs)
+        return draft.table.lookup(8, 300)
+
+    assert plan(owed=300) == Decision.off()
+    assert plan(owed=0) == Decision.chain(1)
+    assert plan(owed=300, per_token=0.0) == Decision.chain(1)
+    assert plan(owed=300, horizon=64.0) == Decision.chain(1)

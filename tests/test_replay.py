@@ -85,10 +85,11 @@ def test_recorded_outcome_of_chain_shorthand():
 
 # ------------------------------------------------------------ the recording
 def test_step_round_trips_through_json():
-    step = worker_pb2.StepReport(step_id=3, timestamp=1.5, batch_size=2, draft_ms=0.5, verify_ms=9.0)
+    step = worker_pb2.StepReport(step_id=3, timestamp=1.5, batch_size=2, draft_ms=0.5, verify_ms=9.0,
+                                 catch_up_ms=2.25)
     step.requests.add(request_id="a", context_len=100, depth=3, width=2, nodes=5, accepted=1,
                       accepted_rank=[2, 0], level_candidates=[2, 1], domain="code", requested_depth=3,
-                      requested_width=2, requested_nodes=6)
+                      requested_width=2, requested_nodes=6, caught_up_tokens=40)
     step.requests.add(request_id="b", context_len=200, requested_depth=2)  # asked, no draft offered
     assert step_from_dict(step_to_dict(step)) == step
 

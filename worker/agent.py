@@ -70,6 +70,7 @@ def step_to_proto(step: StepTelemetry) -> worker_pb2.StepReport:
         batch_size=step.batch_size,
         draft_ms=step.draft_ms,
         verify_ms=step.verify_ms,
+        catch_up_ms=step.catch_up_ms,
     )
     for r in step.requests:
         ranks, cands = (r.accepted_rank, r.level_candidates) if r.width != 1 or r.accepted_rank else ((), ())
@@ -87,6 +88,7 @@ def step_to_proto(step: StepTelemetry) -> worker_pb2.StepReport:
             requested_depth=r.requested_depth,
             requested_width=r.requested_width,
             requested_nodes=r.requested_nodes,
+            caught_up_tokens=r.caught_up_tokens,
         )
     return report
 

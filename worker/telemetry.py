@@ -37,6 +37,7 @@ class RequestTelemetry:
     requested_depth: int = 0
     requested_width: int = 0
     requested_nodes: int = 0
+    caught_up_tokens: int = 0  # the drafter caught up on these before the draft (``CatchUp``)
 
     def position_outcomes(self) -> tuple[list[int], list[int]]:
         """(accepted_rank, level_candidates), derived for chains when not given."""
@@ -57,6 +58,7 @@ class StepTelemetry:
     draft_ms: float
     verify_ms: float
     requests: list[RequestTelemetry] = field(default_factory=list)
+    catch_up_ms: float = 0.0  # drafter catch-ups before the draft, not in draft_ms
 
 
 @dataclass(slots=True)

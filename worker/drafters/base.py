@@ -127,7 +127,8 @@ class CatchUp(Protocol):
     drafting costs at that step, whatever the request's history (a request
     switched on after its whole prompt and fifty off steps would otherwise
     report a draft time the cost model reads as a far deeper tree). The
-    engine times catch-ups apart (``EngineStats.catch_up_s``)."""
+    engine times catch-ups apart (``EngineStats.catch_up_s``) and reports
+    them with the step (``catch_up_ms``, per request ``caught_up_tokens``)."""
 
     def ingest_prompts(self, contexts: Sequence[DraftContext]) -> None:
         """Queue each admitted request's prompt features: ``tokens`` = the
@@ -135,10 +136,11 @@ class CatchUp(Protocol):
         ``hidden`` = the features of every prompt token."""
         ...
 
-    def catch_up(self, contexts: Sequence[DraftContext]) -> None:
+    def catch_up(self, contexts: Sequence[DraftContext]) -> dict[str, int]:
         """Run the head over what is queued for these requests (one batched
         forward; requests with nothing queued are skipped). ``tokens`` are
-        the committed tokens, the root last; ``hidden`` is not read."""
+        the committed tokens, the root last; ``hidden`` is not read.
+        Returns the tokens caught up on per request (those with none left out)."""
         ...
 
 

@@ -140,12 +140,12 @@ class EagleDrafter:
             self._queue(ctx)
 
     @torch.inference_mode()
-    def catch_up(self, contexts: Sequence[DraftContext]) -> None:
+    def catch_up(self, contexts: Sequence[DraftContext]) -> dict[str, int]:
         """Run the head over everything queued for these requests (the prompt
         and the steps they were off for) in one batched forward; ``hidden``
         of ``contexts`` is not read (this step's features come with
-        ``propose``)."""
-        self._catch_up([(ctx, self._state[ctx.request_id]) for ctx in contexts if ctx.request_id in self._state])
+        ``propose``). Returns the features run per request."""
+        return self._catch_up([(ctx, self._state[ctx.request_id]) for ctx in contexts if ctx.request_id in self._state])
 
     def _ingest(self, contexts: Sequence[DraftContext], decisions: Sequence[Decision]) -> None:
         """Queue every row's new features; run the head only for rows that
@@ -157,9 +157,9 @@ class EagleDrafter:
                 due.append((ctx, st))
         self._catch_up(due)
 
-    def _catch_up(self, due: Sequence[tuple[DraftContext, _State]]) -> None:
+    def _catch_up(self, due: Sequence[tuple[DraftContext, _State]]) -> dict[str, int]:
         """One head forward over the queued pairs of every row in ``due``,
-        appended to each row's cache."""
+        appended to each row's cache; returns the pairs run per request."""
         rows = []
         for ctx, st in due:
             if not st.pending:
@@ -171,7 +171,7 @@ class EagleDrafter:
                 st.pairs, st.k, st.v = first, None, None
             rows.append((ctx, st, hidden, first))
         if not rows:
-            return
+            return {}
         t = max(h.shape[0] for _, _, h, _ in rows)
         d = rows[0][2].shape[1]
         feats = torch.zeros(len(rows), t, d)
@@ -198,6 +198,7 @@ class EagleDrafter:
                 st.pairs = first
             st.pairs += m
             st.last_out = out[r, m - 1].clone()
+        return {ctx.request_id: hidden.shape[0] for ctx, _, hidden, _ in rows}
 
     # ------------------------------------------------------------ propose
     @torch.inference_mode()

@@ -317,7 +317,7 @@ class Engine:
         batch = len(self.rows)
         ctx = self.kv.real_lengths().tolist()
         decisions = self._decisions(ctx, batch)
-        self._catch_up(decisions)
+        caught, catch_up_s = self._catch_up(decisions)
 
         t0 = time.perf_counter()
         trees = self._draft(decisions)
@@ -340,7 +340,8 @@ class Engine:
 
         if self.kv.maybe_repack(self.repack_hole_fraction):
             self.stats.repacks += 1
-        return admitted_done + self._commit(decisions, trees, outcomes, hidden, ctx, t1 - t0, t2 - t1)
+        return admitted_done + self._commit(decisions, trees, outcomes, hidden, ctx, t1 - t0, t2 - t1, caught,
+                                            catch_up_s)
 
     def _accept(self, trees: list[DraftTree], logits: torch.Tensor, sizes: list[int]) -> list[RowOutcome]:
         """Per row: the accepted path and the token after it; ``logits``
@@ -368,17 +369,21 @@ class Engine:
         limits = self.drafter.limits
         return [limits.clamp(self.decide(row.req.request_id, ctx[b], batch)) for b, row in enumerate(self.rows)]
 
-    def _catch_up(self, decisions: list[Decision]) -> None:
+    def _catch_up(self, decisions: list[Decision]) -> tuple[dict[str, int], float]:
         """Rows about to draft run their drafter over what it queued while
-        they were off (``CatchUp``), before the timed draft."""
+        they were off (``CatchUp``), before the timed draft; returns the
+        tokens caught up on per request and the seconds it took."""
         if not isinstance(self.drafter, CatchUp):
-            return
+            return {}, 0.0
         due = [DraftContext(row.req.request_id, row.tokens, None, len(row.req.prompt))
                for row, d in zip(self.rows, decisions) if d.depth > 0]
-        if due:
-            t0 = time.perf_counter()
-            self.drafter.catch_up(due)
-            self.stats.catch_up_s += time.perf_counter() - t0
+        if not due:
+            return {}, 0.0
+        t0 = time.perf_counter()
+        caught = self.drafter.catch_up(due)
+        seconds = time.perf_counter() - t0
+        self.stats.catch_up_s += seconds
+        return caught, seconds
 
     def _draft(self, decisions: list[Decision]) -> list[DraftTree]:
         if self.drafter is None:
@@ -402,7 +407,7 @@ class Engine:
                 )
         return trees
 
-    def _commit(self, decisions, trees, outcomes, hidden, ctx, draft_s, verify_s) -> list[Request]:
+    def _commit(self, decisions, trees, outcomes, hidden, ctx, draft_s, verify_s, caught, catch_up_s) -> list[Request]:
         now = time.perf_counter()
         wants_hidden = self.drafter is not None and self.drafter.needs_hidden
         telemetry = []
@@ -424,6 +429,7 @@ class Engine:
                 requested_depth=decisions[b].depth,
                 requested_width=decisions[b].width if decisions[b].depth else 0,
                 requested_nodes=decisions[b].max_nodes if decisions[b].depth else 0,
+                caught_up_tokens=caught.get(req.request_id, 0),
             ))
             if wants_hidden:
                 row.pending.append(hidden[b, o.path].clone())
@@ -440,7 +446,7 @@ class Engine:
         self.stats.verify_s += verify_s
         if self.observer is not None:
             self.observer.observe(StepTelemetry(next(_STEP_IDS), time.time(), len(self.rows), draft_s * 1e3,
-                                                verify_s * 1e3, telemetry))
+                                                verify_s * 1e3, telemetry, catch_up_s * 1e3))
         done = self._drop(finished)
         for req in done:
             self._finish_request(req)

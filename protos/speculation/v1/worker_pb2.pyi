@@ -102,7 +102,7 @@ class VerifySample(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., verify_ms: _Optional[float] = ..., repeats: _Optional[int] = ...) -> None: ...
 
 class RequestStep(_message.Message):
-    __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain", "requested_depth", "requested_width", "requested_nodes")
+    __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain", "requested_depth", "requested_width", "requested_nodes", "caught_up_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class RequestStep(_message.Message):
     REQUESTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_WIDTH_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    CAUGHT_UP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_len: int
     depth: int
@@ -129,23 +130,26 @@ class RequestStep(_message.Message):
     requested_depth: int
     requested_width: int
     requested_nodes: int
-    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., nodes: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_rank: _Optional[_Iterable[int]] = ..., level_candidates: _Optional[_Iterable[int]] = ..., draft_confidence: _Optional[_Iterable[float]] = ..., domain: _Optional[str] = ..., requested_depth: _Optional[int] = ..., requested_width: _Optional[int] = ..., requested_nodes: _Optional[int] = ...) -> None: ...
+    caught_up_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., nodes: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_rank: _Optional[_Iterable[int]] = ..., level_candidates: _Optional[_Iterable[int]] = ..., draft_confidence: _Optional[_Iterable[float]] = ..., domain: _Optional[str] = ..., requested_depth: _Optional[int] = ..., requested_width: _Optional[int] = ..., requested_nodes: _Optional[int] = ..., caught_up_tokens: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step_id", "timestamp", "batch_size", "draft_ms", "verify_ms", "requests")
+    __slots__ = ("step_id", "timestamp", "batch_size", "draft_ms", "verify_ms", "requests", "catch_up_ms")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_MS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     timestamp: float
     batch_size: int
     draft_ms: float
     verify_ms: float
     requests: _containers.RepeatedCompositeFieldContainer[RequestStep]
-    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., batch_size: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., requests: _Optional[_Iterable[_Union[RequestStep, _Mapping]]] = ...) -> None: ...
+    catch_up_ms: float
+    def __init__(self, step_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., batch_size: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., requests: _Optional[_Iterable[_Union[RequestStep, _Mapping]]] = ..., catch_up_ms: _Optional[float] = ...) -> None: ...
 
 class StepReports(_message.Message):
     __slots__ = ("steps", "dropped_steps")
