@@ -404,6 +404,10 @@ class Controller:
     def observation(self, state: WorkerState, now: float) -> Observation:
         limits = state.limits
         self._fold_load(state)
+        cost = state.cost.refit()
+        owed = {}
+        if cost.catch_up_ms_per_token > 0:  # only a drafter that has caught up owes anything
+            owed = {rid: max(ctx - state.drafted_through.get(rid, 0), 0) for rid, ctx in state.active.items()}
         return Observation(
             now=now,
             worker_id=state.worker_id,
@@ -411,7 +415,7 @@ class Controller:
             batch_edges=self.batch_edges,
             context_edges=self.context_edges,
             acceptance=self.acceptance.view(state.drafter_key, limits.max_depth, limits.max_width),
-            cost=state.cost.refit(),
+            cost=cost,
             load=LoadProfile(
                 mean_batch_size=max(state.batch_ema, 1.0),
                 context_share=tuple(state.context_share) if state.context_share is not None else (),
@@ -420,7 +424,7 @@ class Controller:
             steps=tuple(state.recent_steps),
             finished=tuple(state.recent_finished),
             active_requests=dict(state.active),
-            catch_up_owed={rid: max(ctx - state.drafted_through.get(rid, 0), 0) for rid, ctx in state.active.items()},
+            catch_up_owed=owed,
             max_batch_size=state.hello.max_batch_size or 256,
             padded_verify=state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED,
         )

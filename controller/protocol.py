@@ -107,6 +107,12 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
     if not (requested == 0 or depth <= requested <= limits.max_depth):
         raise _bad(path, "requested_depth", f"{requested} must be 0 or in depth ({depth})..{limits.max_depth} "
                    "(drafter max_depth)", step_id)
+    caught = r.caught_up_tokens
+    if not 0 <= caught <= r.context_len:
+        raise _bad(path, "caught_up_tokens", f"{caught} must be in 0..context_len ({r.context_len})", step_id)
+    if caught and not (requested or depth):
+        raise _bad(path, "caught_up_tokens", f"{caught} must be 0 when the request did not ask for a draft "
+                   "(requested_depth and depth 0)", step_id)
     if depth == 0:
         if r.width or r.nodes:
             raise _bad(path, "nodes", f"width={r.width}, nodes={r.nodes} must be 0 when depth is 0", step_id)
@@ -150,12 +156,6 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
 
 
 def _check_requested_shape(r: worker_pb2.RequestStep, limits: DrafterLimits, path: str, step_id: int) -> None:
-    caught = r.caught_up_tokens
-    if not 0 <= caught <= r.context_len:
-        raise _bad(path, "caught_up_tokens", f"{caught} must be in 0..context_len ({r.context_len})", step_id)
-    if caught and not (r.requested_depth or r.depth):
-        raise _bad(path, "caught_up_tokens", f"{caught} must be 0 when the request did not ask for a draft "
-                   "(requested_depth and depth 0)", step_id)
     for name, used, limit, what in (("requested_width", r.width, limits.max_width, "max_width"),
                                     ("requested_nodes", r.nodes, limits.max_tree_nodes, "max_tree_nodes")):
         value = getattr(r, name)

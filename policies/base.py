@@ -188,8 +188,8 @@ class Observation:
     # Requests in flight right now (ids seen in steps and not finished).
     active_requests: Mapping[str, int] = field(default_factory=dict)  # id -> context_len
     # Tokens each active request's drafter would catch up on if it drafted now:
-    # its context since its last drafting step (all of it if it never drafted);
-    # priced by ``cost.catch_up_ms``, which is 0 for drafters that never catch up.
+    # its context since its last drafting step (all of it if it never drafted),
+    # priced by ``cost.catch_up_ms``; empty for a worker that never reported one.
     catch_up_owed: Mapping[str, int] = field(default_factory=dict)  # id -> tokens
     max_batch_size: int = 256
     # The worker's forward pads every request's draft block to the largest

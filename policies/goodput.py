@@ -424,15 +424,14 @@ class PrefixTable:
             return 0, Allocation((0,) * len(counts), 0.0, 0.0)
         offer_rates = None if offer is None else np.asarray(offer, dtype=np.float64)
         contexts = np.asarray(contexts, dtype=np.float64)
-        switch = None if switch_ms is None else np.asarray(switch_ms, dtype=np.float64)
         gained = self.gained @ counts
 
         def judged(rows=slice(None)) -> np.ndarray:  # cautious goodput of some prefixes
             return prefix_goodput(counts, contexts, gained[rows], self.depths[rows], self.taken[rows], cost,
-                                  offer_rates, padded, caution, switch)
+                                  offer_rates, padded, caution, switch_ms)
 
         goodput = prefix_goodput(counts, contexts, gained, self.depths, self.taken, cost, offer_rates, padded,
-                                 switch_ms=switch)
+                                 switch_ms=switch_ms)
         # The expected goodput picks the tree; caution only decides whether to
         # speculate at all (a well-measured smaller tree may still beat off).
         best = int(np.argmax(goodput))
@@ -640,13 +639,14 @@ class GoodputPolicy(Policy[GoodputConfig]):
             rows.append([lists_by_cap[cap - 1][c].decision(m) for c, m in enumerate(nodes_per_bucket)])
             goodputs.append(goodput)
         table = DecisionTable.from_rows(rows, obs.batch_edges, obs.context_edges)
-        overrides, reasons = self.explore(obs, table, np.random.default_rng([seed, calls]))
+        overrides, reasons = self.explore(obs, table, np.random.default_rng([seed, calls]), switch)
         plan = PlanDraft(table, overrides, goodputs[current], reasons)
         return plan, (seed, calls + 1)
 
-    def explore(self, obs: Observation, table: DecisionTable,
-                rng: np.random.Generator) -> tuple[dict[str, Decision], dict[str, str]]:
-        """Thompson sampling on the probe slice of the active requests."""
+    def explore(self, obs: Observation, table: DecisionTable, rng: np.random.Generator,
+                switch_ms: Sequence[float] | None = None) -> tuple[dict[str, Decision], dict[str, str]]:
+        """Thompson sampling on the probe slice of the active requests
+        (``switch_ms``: the active requests' :meth:`catch_up_charge`)."""
         threshold = int(self.config.probe_fraction * 10_000)
         probes = [rid for rid in obs.active_requests if zlib.crc32(rid.encode()) % 10_000 < threshold]
         if not probes:
@@ -664,7 +664,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
         # mean decisions avoid because nobody has measured it yet.
         cost_draw = float(rng.standard_normal())
         cap, nodes_per_bucket, _ = self.solve_row(obs, lists_by_cap, batch_bucket, float(batch), caution=cost_draw,
-                                                  switch_ms=self.catch_up_charge(obs))
+                                                  switch_ms=switch_ms)
         overrides, reasons = {}, {}
         for rid in probes:
             c = bucket_index(obs.context_edges, obs.active_requests[rid])

@@ -347,6 +347,11 @@ def test_catch_up_is_fitted_per_token_counted_in_step_time_and_owed_per_request(
     assert not ctl.ingest(state, more)
     obs = ctl.observation(state, 4.0)
     assert dict(obs.catch_up_owed) == {"a": 2, "b": 54}
+    medusa = ctl.hello(make_hello("medusa", version="medusa-c"))  # drafts without catching up
+    assert not ctl.ingest(medusa, worker_pb2.StepReports(steps=[worker_pb2.StepReport(
+        step_id=1, timestamp=1.0, batch_size=1, verify_ms=20.0,
+        requests=[worker_pb2.RequestStep(request_id="m", context_len=80)])]))
+    assert ctl.observation(medusa, 1.0).catch_up_owed == {}
     assert obs.cost.catch_up_ms(100) == pytest.approx(5.0)
     ctl.finished(state, worker_pb2.RequestFinished(request_id="a", generated_tokens=6, steps=4, timestamp=5.0))
     assert "a" not in state.drafted_through and "a" not in ctl.observation(state, 5.0).catch_up_owed

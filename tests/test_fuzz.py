@@ -263,8 +263,8 @@ BAD_MS = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, -1e-9, 3.6e6, 1e3
 REQUEST_DEFECTS = ["request_id", "context_len", "depth", "accepted", "width", "nodes", "accepted_rank",
                    "level_candidates", "draft_confidence", "rank_value", "candidates_value", "requested_depth",
                    "requested_width", "requested_nodes", "caught_up_tokens"]
-STEP_DEFECTS = ["step_id", "timestamp", "batch_size", "requests", "draft_ms", "verify_ms", "catch_up_ms", "duplicate_id",
-                "finished_id"]
+STEP_DEFECTS = ["step_id", "timestamp", "batch_size", "requests", "draft_ms", "verify_ms", "catch_up_ms",
+                "duplicate_id", "finished_id"]
 
 
 def draw_request(data, model: WorkerModel, shape: str) -> worker_pb2.RequestStep:
