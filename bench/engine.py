@@ -287,6 +287,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "controller_warmup_prompts": [p.id for p in both[prompts:]] if agents else [],
         "heads": {d: getattr(built[d], "version", "") for d in learned},
         "kernels": _kernel_summary(lm.kernels),
+        # one pass over every linear layer in the model's order, per row count: what chose the kernels
+        "kernel_stack_ms": {} if lm.kernels is None else {"rows": list(lm.kernels.stack.rows),
+                                                          **{n: list(ms) for n, ms in lm.kernels.stack.total.items()}},
         "controller_cost_models": fitted,
         "calibration": [asdict(t) for t in calibration],
         "runs": [asdict(r) for r in runs],
@@ -526,6 +529,7 @@ def _kernel_summary(report) -> dict:
         t = report.timings[key]
         dense = dict(zip(t.rows, t.ms["dense"]))
         out[key] = {"packed": d.packed, "rows_run_as": [d.lookup(r)[1] for r in range(1, 17)],
+                    "kernels_by_rows": [d.lookup(r)[0] for r in range(1, 17)],
                     "ms_vs_default_by_rows": {r: round(d.ms[r - 1] / dense[r], 3) for r in (1, 2, 3, 4, 8, 16)
                                               if r in dense}}
     return out

@@ -33,6 +33,7 @@ def test_engine_bench_writes_every_run_lossless(tmp_path):
     assert runs[("hf-prompt-lookup", "static-d2", 1)]["speedup_vs_hf_plain"] > 0
     assert runs[("ngram", "static-d2", 1)]["speedup_vs_hf_plain"] == 0.0  # only the peer's runs have it
     assert set(result["kernels"]) == {"49152x576", "576x576", "192x576", "1536x576", "576x1536"}
+    assert set(result["kernel_stack_ms"]) == {"rows", "tables", "mix", "mkl"}
     fitted = result["controller_cost_models"]["bench-ngram"]
     assert fitted["samples"] > 0 and len(fitted["verify_ms_by_batch_and_nodes_per_request"]["1"]) == 12
     assert (tmp_path / "engine.png").stat().st_size > 0

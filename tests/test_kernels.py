@@ -17,8 +17,9 @@ from worker.drafters.eagle import EagleDrafter
 from worker.drafters.oracle import OracleDrafter
 from worker.engine import kernels
 from worker.engine.engine import Engine, static_decide
-from worker.engine.kernels import (DENSE, INT8, Dispatch, ShapeTiming, TunedLinear, bf16_available, candidates,
-                                   install, int8_available, plan_dispatch, tune_model)
+from worker.engine.kernels import (DENSE, INT8, Dispatch, ShapeTiming, StackTiming, TunedLinear, best_of,
+                                   bf16_available, candidates, install, int8_available, mkl_only, plan_dispatch,
+                                   time_stack, tune_model)
 from worker.heads.modules import EagleHead
 from worker.heads.store import HeadsBundle
 from worker.models import tiny_llama
@@ -160,7 +161,14 @@ def test_tune_model_times_installs_and_caches(tmp_path, monkeypatch):
     for key, timing in first.timings.items():  # no lossy kernel for a target
         assert set(timing.ms) == {DENSE, "onednn:4", "onednn:16", "onednn:64"} and all(
             t > 0 for ms in timing.ms.values() for t in ms)
-    assert "linear kernels:" in lines[0]
+    assert "linear kernels:" in lines[0] and "whole stack vs MKL alone" in lines[0]
+    # the tables were checked on the whole stack, and each layer runs what the report says
+    assert first.stack.rows == (1, 2, 4, 8) and set(first.stack.total) == {"tables", "mix", "mkl"}
+    assert all(ms > 0 for per in first.stack.total.values() for ms in per)
+    for m in model.modules():
+        if isinstance(m, TunedLinear):
+            assert m.dispatch == first.dispatch[f"{m.out_features}x{m.in_features}"]
+            assert (m._packed is None) == (m.dispatch.packed is None)
     again, _ = tiny_llama(seed=0)
     second = tune_model(again, reps=1, rows=(1, 2, 4, 8), show_progress=False, log=None)
     assert second.cached and second.dispatch == first.dispatch and second.path == first.path
@@ -168,6 +176,67 @@ def test_tune_model_times_installs_and_caches(tmp_path, monkeypatch):
     first.path.write_text("{not json")  # a damaged cache is timed again, not trusted
     third, _ = tiny_llama(seed=0)
     assert not tune_model(third, reps=1, rows=(1, 2, 4, 8), show_progress=False, log=None).cached
+
+
+def test_best_of_runs_the_option_cheapest_at_each_row_count():
+    rng = np.random.default_rng(5)
+    rows = (1, 2, 3, 4, 6, 8, 12, 16)
+    for _ in range(50):
+        timing = ShapeTiming(8, 4, 1, rows, {k: tuple(rng.uniform(1, 10, len(rows))) for k in (DENSE, "onednn:4")})
+        table = plan_dispatch(timing)
+        options = {"tables": table, "mkl": mkl_only(table, timing)}
+        checked = rows[: rng.integers(1, len(rows) + 1)]
+        costs = {n: tuple(rng.uniform(1, 10, len(checked))) for n in options}
+        d = best_of(options, costs, checked, timing)
+        for r in range(1, checked[-1] + 1):
+            g = min(i for i, n in enumerate(checked) if n >= r)  # compared where they were timed in turns
+            cheapest = min(options, key=lambda n: costs[n][g])
+            assert d.choices[r - 1] == options[cheapest].lookup(checked[g])
+        assert d.choices[checked[-1]:] == table.choices[checked[-1]:]  # past the checked rows: the tables
+        runs_packed = any(k == table.packed for k, _ in d.choices)
+        assert d.packed == (table.packed if runs_packed else None)
+
+
+def test_the_stack_check_times_every_configuration_and_leaves_the_layers_as_they_were():
+    torch.set_num_threads(1)
+    model, _ = tiny_llama(seed=0)
+    install(model, {"128x64": forced(), "64x128": forced(), "64x64": forced(), "32x64": forced()})
+    layers = [m for m in model.modules() if isinstance(m, TunedLinear)]
+    before = [m.dispatch for m in layers]
+    mkl = {k: mkl_only(forced(), ShapeTiming(1, 1, 1, (1, 24), {DENSE: (1.0, 2.0)})) for k in ("128x64", "64x128",
+                                                                                               "64x64", "32x64")}
+    stack = time_stack(layers, (1, 3, 8), {"tables": {k: forced() for k in mkl}, "mkl": mkl}, reps=2)
+    assert [m.dispatch for m in layers] == before
+    assert stack.rows == (1, 3, 8) and set(stack.total) == {"tables", "mkl"}
+    for name, total in stack.total.items():
+        parts = stack.by_shape[name]
+        assert set(parts) == set(mkl) and all(t > 0 for t in total)
+        # each shape's least share may come from another repetition: together at most the least pass
+        assert all(0 < sum(p[i] for p in parts.values()) <= total[i] + 1e-3 for i in range(3))
+
+
+def test_tables_the_whole_stack_runs_slower_on_are_not_kept(tmp_path, monkeypatch):
+    """Timed alone a packed kernel may win and still lose inside the model:
+    the stack check decides, and a table it rejects keeps no packed copy."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    torch.set_num_threads(1)
+
+    def mkl_wins(layers, rows, configs, reps=3, progress=None):
+        cost = {"tables": 3.0, "mix": 2.0, "mkl": 1.0}
+        shapes = {f"{m.out_features}x{m.in_features}" for m in layers}
+        return StackTiming(tuple(rows), {n: tuple(cost[n] * r for r in rows) for n in configs},
+                           {n: {s: tuple(cost[n] * r / len(shapes) for r in rows) for s in shapes} for n in configs})
+
+    monkeypatch.setattr(kernels, "time_stack", mkl_wins)
+    model, _ = tiny_llama(seed=0)
+    report = tune_model(model, reps=1, rows=(1, 2, 4, 8), show_progress=False, log=None)
+    on_grid = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}  # the row counts the stack was timed at
+    for key, d in report.dispatch.items():
+        assert d.packed is None and d.choices == tuple((DENSE, on_grid[r]) for r in range(1, 9)), key
+    assert all(m._packed is None for m in model.modules() if isinstance(m, TunedLinear))
+    cached, _ = tiny_llama(seed=0)  # the checked table is what the cache gives back
+    again = tune_model(cached, reps=1, rows=(1, 2, 4, 8), show_progress=False, log=None)
+    assert again.cached and again.dispatch == report.dispatch and again.stack == report.stack
 
 
 def test_tied_output_embedding_stays_tied():

@@ -25,6 +25,21 @@ more rows never costs less, which the controller's cost model relies on.
 Each shape keeps at most one packed copy of its weights (the kernel whose
 table is cheapest over the grid), or none when MKL alone is as good.
 
+Timed shape by shape, a kernel can win and still lose inside the model: on
+a 2-core AMD EPYC without AVX-512 (family 23) every shape's table came
+within 0.93–1.00× MKL's time for one row, yet the whole stack of 211
+layers, called in the model's order with oneDNN and MKL taking turns, ran
+one row in 68.0 ms on the tables against 60.8 ms on MKL alone, and the
+engine's plain step was 9 % dearer. So the tables are checked where they
+are used (:func:`check_on_stack`): one pass over every tuned layer in the
+model's order is timed at each row count up to ``CHECK_MAX_ROWS``, on the
+tables and on MKL alone; each shape takes, per row count, whichever ran
+faster inside the stack; and a second pass keeps, per row count, the
+fastest of tables, that mix and MKL alone. The check compares
+configurations at the same row count only, so it may leave a row count
+dearer than the next one; the controller's cost model does not depend on
+it, as it fits a monotone curve to the verify times it is sent.
+
 The outputs differ from ``F.linear`` by float rounding only (a different
 summation order: ~1e-6 relative); greedy decoding stays lossless against
 plain decoding exactly as it was (MKL itself sums differently for one row
@@ -57,7 +72,7 @@ import hashlib
 import json
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,9 +80,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BF16", "DENSE", "DRAFT_ROW_GRID", "INT8", "ONEDNN", "PACK_HINTS", "ROW_GRID", "Dispatch", "KernelReport",
-           "ShapeTiming", "TunedLinear", "bf16_available", "install", "int8_available", "is_tuned", "kernels_available",
-           "plan_dispatch", "tune", "tune_model"]
+__all__ = ["BF16", "CHECK_MAX_ROWS", "DENSE", "DRAFT_ROW_GRID", "INT8", "ONEDNN", "PACK_HINTS", "ROW_GRID", "Dispatch",
+           "KernelReport", "ShapeTiming", "StackTiming", "TunedLinear", "best_of", "bf16_available", "check_on_stack",
+           "install", "int8_available", "is_tuned", "kernels_available", "mkl_only", "plan_dispatch", "time_stack",
+           "tune", "tune_model"]
 
 DENSE = "dense"  # F.linear (MKL)
 ONEDNN = "onednn"  # "onednn:<hint>": fp32 weights prepacked for oneDNN
@@ -85,7 +101,11 @@ DRAFT_ROW_GRID = tuple(r for r in ROW_GRID if r <= 32)
 PACK_HINTS = (4, 16, 64)  # oneDNN's "expected rows" for the weight layout
 # Matrices of one shape timed together: past the last-level cache, as in a forward.
 STREAM_BYTES = 48 << 20
-_FORMAT = 3  # 3: least time over the repetitions (2: median)
+# Row counts up to which the tables are checked on the whole layer stack: a
+# verify step's rows (batch x nodes); past it the rows are prefills, where
+# the packed kernels win by far.
+CHECK_MAX_ROWS = 32
+_FORMAT = 4  # 4: tables checked on the whole stack (3: least time over the repetitions; 2: median)
 
 
 def kernels_available() -> bool:
@@ -216,6 +236,66 @@ def plan_dispatch(timing: ShapeTiming, keep_dense_within: float = 0.02) -> Dispa
     return Dispatch(packed, tuple(best[0]), tuple(best[1]))
 
 
+@dataclass(frozen=True)
+class StackTiming:
+    """Least ms of one pass over every tuned layer in the model's order, per
+    row count of ``rows`` and configuration (a name: ``total[name][i]``),
+    and of that pass the time spent inside each shape's layers
+    (``by_shape[name][shape][i]``)."""
+
+    rows: tuple[int, ...]
+    total: dict[str, tuple[float, ...]]
+    by_shape: dict[str, dict[str, tuple[float, ...]]]
+
+
+def _measured(timing: ShapeTiming, kernel: str, rows: int) -> float:
+    """``kernel``'s ms for ``rows`` rows (interpolated between grid points)."""
+    return float(np.interp(rows, timing.rows, timing.ms[kernel]))
+
+
+def mkl_only(d: Dispatch, timing: ShapeTiming) -> Dispatch:
+    """MKL on the rows as they are, for every row count ``d`` covers."""
+    rows = range(1, len(d.choices) + 1)
+    return Dispatch(None, tuple((DENSE, r) for r in rows), tuple(_measured(timing, DENSE, r) for r in rows))
+
+
+def best_of(options: dict[str, Dispatch], costs: dict[str, Sequence[float]], rows: tuple[int, ...],
+            timing: ShapeTiming) -> Dispatch:
+    """One shape's dispatch picked among whole ``options`` by measured cost.
+
+    For every ``r`` up to ``rows[-1]``, the option with the least
+    ``costs[option]`` at the first grid point ``r' >= r`` decides, and the
+    shape runs what that option runs for ``r'`` rows. Options are compared
+    at the same row count only: they were timed in turns there, so a slow
+    minute of a shared machine falls on all of them, where it may fall on
+    one row count and not the next (padding across row counts stays with
+    :func:`plan_dispatch`, on each shape's own timing). Past ``rows[-1]``
+    the first option's choices stand. The packed copy kept is the first
+    option's, if any choice still runs it.
+
+    >>> t = ShapeTiming(8, 4, 1, (1, 2, 4), {"dense": (1.0, 3.0, 2.0), "onednn:4": (2.0, 2.5, 1.5)})
+    >>> table = plan_dispatch(t)
+    >>> table.choices
+    (('dense', 1), ('onednn:4', 4), ('onednn:4', 4), ('onednn:4', 4))
+    >>> options = {"table": table, "mkl": mkl_only(table, t)}
+    >>> best_of(options, {"table": (1.0, 2.4), "mkl": (1.1, 2.0)}, (1, 2), t).choices
+    (('dense', 1), ('dense', 2), ('onednn:4', 4), ('onednn:4', 4))
+    >>> mkl = best_of(options, {"table": (1.0, 2.4, 2.2), "mkl": (1.1, 2.0, 1.7)}, (1, 2, 4), t)
+    >>> mkl.choices, mkl.packed
+    ((('dense', 1), ('dense', 2), ('dense', 4), ('dense', 4)), None)
+    """
+    names = list(options)
+    cost = np.stack([np.asarray(costs[n], dtype=float) for n in names])  # [options, grid]
+    first = options[names[0]]
+    choices = list(first.choices)
+    for r in range(1, min(rows[-1], len(choices)) + 1):
+        g = next(i for i, n in enumerate(rows) if n >= r)
+        choices[r - 1] = options[names[int(np.argmin(cost[:, g]))]].lookup(rows[g])
+    ms = tuple(_measured(timing, kernel, padded) for kernel, padded in choices)
+    packed = first.packed if any(kernel == first.packed for kernel, _ in choices) else None
+    return Dispatch(packed, tuple(choices), ms)
+
+
 class TunedLinear(torch.nn.Module):
     """``nn.Linear`` whose forward runs the kernel its :class:`Dispatch` picks
     for the number of rows. Shares ``weight`` and ``bias`` with the layer it
@@ -242,6 +322,15 @@ class TunedLinear(torch.nn.Module):
             flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
         out = _run_packed(flat.contiguous(), self._packed, self.bias)  # [padded, out]
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
+
+    def redispatch(self, dispatch: Dispatch) -> None:
+        """Run ``dispatch`` from now on: the same packed kernel, or none (the copy is dropped)."""
+        if dispatch.packed not in (None, self.dispatch.packed):
+            raise ValueError(f"redispatch keeps the packed kernel {self.dispatch.packed} or drops it, "
+                             f"not {dispatch.packed}")
+        self.dispatch = dispatch
+        if dispatch.packed is None:
+            self._packed = None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.dispatch.packed}"
@@ -316,16 +405,94 @@ def tune(weights: list[torch.Tensor], rows: tuple[int, ...] = ROW_GRID, kernels:
     return ShapeTiming(int(out_f), int(in_f), len(weights), tuple(rows), ms)
 
 
+@torch.inference_mode()
+def time_stack(layers: list[TunedLinear], rows: tuple[int, ...], configs: dict[str, dict[str, Dispatch]],
+               reps: int = 3, progress: Callable[[], None] | None = None) -> StackTiming:
+    """Least ms over ``reps`` of one pass over ``layers`` (in the order given:
+    the model's) at each row count, once per configuration (a dispatch per
+    shape; every configuration of a layer must keep its packed kernel, or
+    none), interleaved as in :func:`tune`; each layer call is timed too, for
+    ``by_shape``. ``progress`` is called once per row count and repetition."""
+    keys = [f"{layer.out_features}x{layer.in_features}" for layer in layers]
+    shapes = sorted(set(keys))
+    saved = [layer.dispatch for layer in layers]
+    inputs = {(r, n): torch.randn(r, n, dtype=layers[0].weight.dtype) for r in rows for n in
+              {layer.in_features for layer in layers}}
+    names = list(configs)
+    totals = {n: [[] for _ in rows] for n in names}
+    parts = {n: {s: [[] for _ in rows] for s in shapes} for n in names}
+
+    def one_pass(name: str, i: int, r: int) -> None:
+        spent = dict.fromkeys(shapes, 0.0)
+        for layer, key in zip(layers, keys):
+            layer.dispatch = configs[name][key]
+            x = inputs[r, layer.in_features]
+            t0 = time.perf_counter()
+            layer(x)
+            spent[key] += time.perf_counter() - t0
+        totals[name][i].append(sum(spent.values()))
+        for s in shapes:
+            parts[name][s][i].append(spent[s])
+
+    try:
+        for name in names:  # warm-up, not kept
+            one_pass(name, 0, rows[0])
+            totals[name][0].clear()
+            for s in shapes:
+                parts[name][s][0].clear()
+        for rep in range(reps):
+            for i, r in enumerate(rows):
+                shift = (rep + i) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    one_pass(name, i, r)
+                if progress is not None:
+                    progress()
+    finally:
+        for layer, d in zip(layers, saved):
+            layer.dispatch = d
+
+    def least(samples: list[list[float]]) -> tuple[float, ...]:
+        return tuple(round(1e3 * min(s), 4) for s in samples)
+
+    return StackTiming(tuple(rows), {n: least(totals[n]) for n in names},
+                       {n: {s: least(parts[n][s]) for s in shapes} for n in names})
+
+
+def check_on_stack(layers: list[TunedLinear], planned: dict[str, Dispatch], timings: dict[str, ShapeTiming],
+                   rows: tuple[int, ...], reps: int = 3,
+                   progress: Callable[[], None] | None = None) -> tuple[dict[str, Dispatch], StackTiming]:
+    """The per-shape tables ``planned``, checked where they run: in the model.
+
+    Pass one times the whole stack on the tables and on MKL alone, and each
+    shape takes, row count by row count, whichever ran faster *inside the
+    stack* (:func:`best_of` on that shape's share of the pass): the mix.
+    Pass two times tables, mix and MKL alone on the whole stack, and every
+    row count runs whichever of the three was fastest there (for the mix
+    moves the other shapes' costs too). Configurations are compared at the
+    same row count only; padding stays the per-shape tables'. Returns the
+    dispatch and pass two."""
+    mkl = {k: mkl_only(d, timings[k]) for k, d in planned.items()}
+    first = time_stack(layers, rows, {"tables": planned, "mkl": mkl}, reps, progress)
+    mix = {k: best_of({"tables": d, "mkl": mkl[k]}, {n: first.by_shape[n][k] for n in ("tables", "mkl")}, rows,
+                      timings[k]) for k, d in planned.items()}
+    second = time_stack(layers, rows, {"tables": planned, "mix": mix, "mkl": mkl}, reps, progress)
+    chosen = {k: best_of({"tables": d, "mix": mix[k], "mkl": mkl[k]}, second.total, rows, timings[k])
+              for k, d in planned.items()}
+    return chosen, second
+
+
 @dataclass
 class KernelReport:
     """What :func:`tune_model` did: per shape (``"out x in"``), the timing and
-    the dispatch; ``cached``: read from the cache file; ``layers``: layers tuned."""
+    the dispatch; ``cached``: read from the cache file; ``layers``: layers tuned;
+    ``stack``: the last pass of :func:`check_on_stack` (tables, mix, MKL alone)."""
 
     path: Path | None
     cached: bool
     layers: int
     timings: dict[str, ShapeTiming]
     dispatch: dict[str, Dispatch]
+    stack: StackTiming
 
     def summary(self) -> str:
         lines = [f"linear kernels: {self.layers} layers, {len(self.dispatch)} shapes"
@@ -335,7 +502,12 @@ class KernelReport:
             r = {n: i for i, n in enumerate(t.rows)}
             picks = ", ".join(f"{n} rows {d.ms[n - 1] / t.ms[DENSE][r[n]]:.2f}x" for n in (1, 2, 3, 4, 8, 16)
                               if n in r and n <= len(d.ms))
-            lines.append(f"  {key}: {d.packed or 'MKL only'}; time vs MKL: {picks}")
+            lines.append(f"  {key}: {d.packed or 'MKL only'}; timed alone, vs MKL: {picks}")
+        s = self.stack
+        lines.append("  whole stack vs MKL alone, tables / mix: " + ", ".join(
+            f"{n} rows {table / mkl:.2f}x / {mix / mkl:.2f}x"
+            for n, table, mix, mkl in zip(s.rows, s.total["tables"], s.total["mix"], s.total["mkl"])
+            if n in (1, 2, 3, 4, 8, 16)))
         return "\n".join(lines)
 
 
@@ -358,14 +530,17 @@ def _cache_key(shapes: list[tuple[int, int]], dtype: torch.dtype, rows, kernels)
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 
-def _load(path: Path) -> tuple[dict[str, ShapeTiming], dict[str, Dispatch]] | None:
+def _load(path: Path) -> tuple[dict[str, ShapeTiming], dict[str, Dispatch], StackTiming] | None:
     try:
         data = json.loads(path.read_text())
         timings = {k: ShapeTiming(**{**v, "rows": tuple(v["rows"]), "ms": {n: tuple(m) for n, m in v["ms"].items()}})
                    for k, v in data["timings"].items()}
         dispatch = {k: Dispatch(v["packed"], tuple((c[0], int(c[1])) for c in v["choices"]), tuple(v["ms"]))
                     for k, v in data["dispatch"].items()}
-        return timings, dispatch
+        s = data["stack"]
+        stack = StackTiming(tuple(s["rows"]), {n: tuple(v) for n, v in s["total"].items()},
+                            {n: {k: tuple(v) for k, v in by.items()} for n, by in s["by_shape"].items()})
+        return timings, dispatch, stack
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -403,27 +578,35 @@ def tune_model(model: torch.nn.Module, cache: bool = True, reps: int = 3, rows: 
         by_shape.setdefault(f"{layer.out_features}x{layer.in_features}", []).append(layer.weight.detach())
     path = _cache_dir() / f"{_cache_key([tuple(w[0].shape) for w in by_shape.values()], weight.dtype, rows, names)}.json"
     loaded = _load(path) if cache else None
-    if loaded is None:
+    if loaded is not None:
+        timings, dispatch, stack = loaded
+        report = KernelReport(path, True, install(model, dispatch), timings, dispatch, stack)
+    else:
         from worker.progress import ProgressBar
 
-        bar = ProgressBar(len(by_shape) * len(rows) * reps, "tune linear kernels", enabled=show_progress)
+        checked = tuple(r for r in rows if r <= CHECK_MAX_ROWS) or rows[:1]
+        bar = ProgressBar((len(by_shape) * len(rows) + 2 * len(checked)) * reps, "tune linear kernels",
+                          enabled=show_progress)
         timings = {}
         for key, weights in by_shape.items():
             per = weights[0].numel() * weights[0].element_size()
             take = max(1, min(len(weights), -(-STREAM_BYTES // per)))
             timings[key] = tune(weights[:take], rows, names, reps, progress=lambda: bar.update(1))
+        planned = {k: plan_dispatch(t) for k, t in timings.items()}
+        layers_tuned = install(model, planned)
+        tuned = [m for m in model.modules() if isinstance(m, TunedLinear)]  # the model's order
+        dispatch, stack = check_on_stack(tuned, planned, timings, checked, reps, progress=lambda: bar.update(1))
         bar.close()
-        dispatch = {k: plan_dispatch(t) for k, t in timings.items()}
+        for layer in tuned:
+            layer.redispatch(dispatch[f"{layer.out_features}x{layer.in_features}"])
         if cache:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps({"timings": {k: asdict(t) for k, t in timings.items()},
-                                       "dispatch": {k: asdict(d) for k, d in dispatch.items()}}, indent=1))
+                                       "dispatch": {k: asdict(d) for k, d in dispatch.items()},
+                                       "stack": asdict(stack)}, indent=1))
             tmp.replace(path)
-        cached = False
-    else:
-        (timings, dispatch), cached = loaded, True
-    report = KernelReport(path if cache else None, cached, install(model, dispatch), timings, dispatch)
+        report = KernelReport(path if cache else None, False, layers_tuned, timings, dispatch, stack)
     if log is not None:
         log(report.summary())
     return report
