@@ -422,7 +422,8 @@ def time_stack(layers: list[TunedLinear], rows: tuple[int, ...], configs: dict[s
     totals = {n: [[] for _ in rows] for n in names}
     parts = {n: {s: [[] for _ in rows] for s in shapes} for n in names}
 
-    def one_pass(name: str, i: int, r: int) -> None:
+    def one_pass(name: str, r: int) -> dict[str, float]:
+        """Seconds spent inside each shape's layers in one pass."""
         spent = dict.fromkeys(shapes, 0.0)
         for layer, key in zip(layers, keys):
             layer.dispatch = configs[name][key]
@@ -430,21 +431,19 @@ def time_stack(layers: list[TunedLinear], rows: tuple[int, ...], configs: dict[s
             t0 = time.perf_counter()
             layer(x)
             spent[key] += time.perf_counter() - t0
-        totals[name][i].append(sum(spent.values()))
-        for s in shapes:
-            parts[name][s][i].append(spent[s])
+        return spent
 
     try:
-        for name in names:  # warm-up, not kept
-            one_pass(name, 0, rows[0])
-            totals[name][0].clear()
-            for s in shapes:
-                parts[name][s][0].clear()
+        for name in names:  # warm-up
+            one_pass(name, rows[0])
         for rep in range(reps):
             for i, r in enumerate(rows):
                 shift = (rep + i) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    one_pass(name, i, r)
+                    spent = one_pass(name, r)
+                    totals[name][i].append(sum(spent.values()))
+                    for s in shapes:
+                        parts[name][s][i].append(spent[s])
                 if progress is not None:
                     progress()
     finally:
