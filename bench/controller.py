@@ -257,6 +257,7 @@ class GenStats:
     plans: int = 0
     request_decisions: int = 0
     rejections: int = 0
+    receipts: int = 0  # TelemetryReceipts (no answer needed)
     last_rejection: str = ""
     acks_sent: int = 0
     stream_errors: int = 0
@@ -311,6 +312,9 @@ async def _worker(w: SimWorker, call, st: GenStats, plans: list, load_t0: float,
             elif kind == "request_decisions":
                 st.request_decisions += 1
                 ack = worker_pb2.Ack(version=msg.request_decisions.version, nonce=msg.request_decisions.nonce)
+            elif kind == "receipt":
+                st.receipts += 1
+                continue
             else:
                 st.rejections += 1
                 r = msg.rejection

@@ -302,6 +302,11 @@ class ServerConfig(BaseModel):
     policy_poll_interval_s: float = Field(1.0, gt=0, description="how often the policy file is checked for changes")
     send_queue_size: int = Field(16, ge=1, le=10_000, description="bounded per-stream send queue")
     max_active_requests: int = Field(8192, ge=16, description="requests tracked per worker (LRU beyond)")
+    worker_idle_ttl_s: float = Field(
+        120.0, gt=0, description="a worker that sends nothing (no step, heartbeat or Decide) this long is taken for "
+                                 "gone: its stream is ended, a Decide-only worker shows as disconnected")
+    receipt_interval_s: float = Field(1.0, gt=0, le=60, description="least time between two TelemetryReceipts "
+                                                                      "on a stream")
     forget_worker_after_s: float = Field(
         3600.0, gt=0, description="a worker disconnected this long is forgotten (its state, not its drafter's "
                                   "acceptance, which is shared per drafter version)")

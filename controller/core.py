@@ -25,6 +25,7 @@ from controller.acceptance import AcceptanceModel, AcceptancePrior, expected_cha
 from controller.config import ServerConfig
 from controller.cost import CostParams, StepCostModel
 from controller.protocol import (
+    MAX_BATCH_SIZE,
     Invalid,
     R,
     decision_to_proto,
@@ -77,6 +78,9 @@ class WorkerState:
     limits: DrafterLimits
     cost: StepCostModel
     connected: bool = True
+    session: int = controller_pb2.WORKER_SESSION_STREAM  # how it talks to us (Connect or Decide)
+    last_seen_at: float = 0.0  # clock time of its last message or Decide
+    expired: bool = False  # disconnected by the idle TTL, not by its stream ending
     last_step_id: int = 0
     disconnected_at: float = float("inf")  # clock time of the last disconnect; inf while connected
     steps_ingested: int = 0
@@ -97,13 +101,19 @@ class WorkerState:
     context_mean: np.ndarray | None = None
     tokens_ema: float = 0.0
     step_ms_ema: float = 0.0
-    # Plans.
+    # Plans. ``current`` is the controller's view of the worker's table: the
+    # newest sent, or after a NACK the last acked (``in_force``) again.
     policy_state: Any = None
-    plan_version: int = 0
+    plan_version: int = 0  # newest version sent (plans and request decisions share it)
     current: PlanDraft | None = None
+    current_version: int = 0  # the Plan version ``current`` went out as
+    in_force: PlanDraft | None = None  # the last Plan the worker acknowledged
     pending: dict[int, SentPlan] = field(default_factory=dict)  # version -> unacknowledged
     acked_version: int = 0
     nacks: int = 0
+    last_nack_reason: str = ""
+    refused_table: Any = None  # a table the worker NACKed: not sent again until its next Hello
+    resend: bool = False  # its Hello was behind ``current``: send it again under a new version
     last_push_at: float = float("-inf")
     last_decide_at: float = float("-inf")
     new_steps: int = 0
@@ -118,6 +128,9 @@ class WorkerState:
     plans_pushed: int = 0
     decisions_pushed: int = 0
     acks: int = 0
+    plans_used: int = 0  # plans a Decide-only worker acknowledged by using them
+    streams_superseded: int = 0
+    steps_received: int = 0  # steps read, applied or rejected
     # (context bucket, depth, τ) -> request-steps of this worker's drafter version
     # (shared with Controller.accept_counts, so a version keeps its counts).
     accept_counts: dict = field(default_factory=dict)
@@ -135,7 +148,7 @@ class WorkerState:
 
 
 CARRIED_COUNTERS = ("steps_total", "tokens_total", "step_ms_total", "plans_pushed", "decisions_pushed", "acks",
-                    "nacks", "rejections")
+                    "nacks", "rejections", "plans_used", "streams_superseded", "steps_received")
 
 
 class Controller:
@@ -158,6 +171,8 @@ class Controller:
         self.rejections: Counter = Counter()
         self.policy_reloads = 0
         self.policy_reload_failures = 0
+        self.streams_superseded = 0
+        self.workers_expired = 0
         self._last_tick = float("-inf")
         self.on_step: list[Callable[[WorkerState, worker_pb2.StepReport], None]] = []
         # Same, with the step's validated request rows (rid, ctx, depth, width, nodes, τ, ranks, candidates,
@@ -199,12 +214,24 @@ class Controller:
             self.workers[hello.worker_id] = state
         state.hello = hello
         state.connected = True
+        state.expired = False
         state.disconnected_at = float("inf")
+        state.last_seen_at = self.clock()
         state.last_step_id = 0  # a restarted worker numbers its steps from 1 again
+        state.refused_table = None  # a new session may accept what the last one refused
         # Versions only move forward, also across controller restarts: the
         # worker tells us the plan it runs and the next one must be newer.
-        state.plan_version = max(state.plan_version, hello.current_plan_version)
-        state.acked_version = max(state.acked_version, hello.current_plan_version)
+        running = hello.current_plan_version
+        if state.current is not None and running < state.current_version:
+            # It decodes on an older plan than ours (restarted, or another stream
+            # had the id): it gets ours again at once, and its overrides with it.
+            state.resend = True
+            state.sent_overrides = {}
+        if running != state.acked_version:  # what it runs now is what it says it runs
+            known = state.current is not None and running == state.current_version
+            state.in_force = state.current if known else None  # None: its fallback, or a table we never made
+            state.acked_version = running
+        state.plan_version = max(state.plan_version, running)
         for hook in self.on_hello:
             hook(state)
         return state
@@ -213,6 +240,31 @@ class Controller:
         state.connected = False
         state.pending.clear()
         state.disconnected_at = self.clock()
+
+    def seen(self, state: WorkerState, session: int) -> None:
+        """Any message or Decide from the worker: it is alive (a Decide-only
+        worker past its idle TTL comes back as connected)."""
+        state.last_seen_at = self.clock()
+        state.session = session
+        if not state.connected and session == controller_pb2.WORKER_SESSION_UNARY:
+            state.connected = True
+            state.expired = False
+            state.disconnected_at = float("inf")
+
+    def idle_workers(self) -> list[WorkerState]:
+        """Connected workers silent for ``worker_idle_ttl_s``. Unary workers are
+        marked disconnected here; a stream worker's stream is ended by the
+        servicer (which then calls ``disconnect``)."""
+        cutoff = self.clock() - self.config.worker_idle_ttl_s
+        idle = [st for st in self.workers.values() if st.connected and st.last_seen_at <= cutoff]
+        for st in idle:
+            st.expired = True
+            self.workers_expired += 1
+            log.warning("worker %s sent nothing for %.0f s (worker_idle_ttl_s): taken for gone", st.worker_id,
+                        self.clock() - st.last_seen_at)
+            if st.session == controller_pb2.WORKER_SESSION_UNARY:
+                self.disconnect(st)
+        return idle
 
     def forget_idle_workers(self) -> list[str]:
         """Drop workers disconnected for ``forget_worker_after_s``: a fleet that
@@ -240,12 +292,14 @@ class Controller:
         """Apply every valid step; return a rejection for each invalid one."""
         now = self.clock()
         rejections = []
+        state.steps_received += len(reports.steps)
         chains: dict[tuple[int, int, int], int] = {}  # (bucket, depth, τ) -> request-steps, applied in bulk
         offers: dict[tuple[int, int, int], list[int]] = {}  # (bucket, level, rank) -> [asked, offered], in bulk
         finished_ids = state.finished_ids
+        max_batch = state.hello.max_batch_size or MAX_BATCH_SIZE
         for i, step in enumerate(reports.steps):
             try:
-                rows = validate_step(step, state.limits, f"steps[{i}]", state.last_step_id)
+                rows = validate_step(step, state.limits, f"steps[{i}]", state.last_step_id, max_batch)
                 if finished_ids:
                     for j, row in enumerate(rows):
                         if row[0] in finished_ids:
@@ -385,10 +439,22 @@ class Controller:
                                               f"version={msg.version} nonce={msg.nonce!r} names no plan in flight"))
         del state.pending[msg.version]
         state.acks += 1
-        if sent.kind == "plan":
-            state.acked_version = max(state.acked_version, msg.version)
+        if sent.kind == "plan" and msg.version > state.acked_version:
+            state.acked_version = msg.version
+            state.in_force = sent.draft
         state.plan_push_ms.append((self.clock() - sent.sent_at) * 1000.0)
         return None
+
+    def use(self, state: WorkerState, sent_version: int) -> None:
+        """A Decide-only worker applies a plan by deciding from it (there is no
+        stream to ACK on): count it as acknowledged."""
+        sent = state.pending.pop(sent_version, None)
+        if sent is None:
+            return
+        state.plans_used += 1
+        if sent.kind == "plan" and sent_version > state.acked_version:
+            state.acked_version = sent_version
+            state.in_force = sent.draft
 
     def nack(self, state: WorkerState, msg: worker_pb2.Nack) -> plan_pb2.Rejection | None:
         sent = state.pending.get(msg.version)
@@ -397,7 +463,19 @@ class Controller:
                                               f"version={msg.version} nonce={msg.nonce!r} names no plan in flight"))
         del state.pending[msg.version]
         state.nacks += 1
+        state.last_nack_reason = msg.reason
         log.warning("worker %s refused plan %d: %s", state.worker_id, msg.version, msg.reason)
+        if sent.kind == "plan":
+            state.refused_table = sent.draft.table
+            if msg.version == state.current_version:
+                # Our view returns to what the worker runs: the last plan it acked.
+                state.current = state.in_force
+                state.current_version = state.acked_version if state.in_force is not None else 0
+        else:
+            # The overrides it refused are not in force: forget them so they are offered again on change.
+            for rid in list(state.sent_overrides):
+                if rid in sent.draft.overrides and sent.draft.overrides[rid] == state.sent_overrides[rid]:
+                    del state.sent_overrides[rid]
         return None
 
     # ----------------------------------------------------------------- plans
@@ -464,6 +542,11 @@ class Controller:
         """
         now = self.clock()
         settings = self.config.plan
+        if state.resend and state.current is not None:
+            # The worker's Hello was behind: the current plan again, at once.
+            state.resend = False
+            return [self._send_table(state, state.current, now)]
+        state.resend = False
         force = force or state.force_push
         due = state.new_steps > 0 and now - state.last_decide_at >= settings.recompute_interval_s
         if not (force or due):
@@ -475,21 +558,27 @@ class Controller:
         now = self.clock()  # push latency is counted from here, after the policy ran
         out: list = []
         if self._should_push_table(state, draft, obs, force):
-            state.plan_version += 1
-            nonce = secrets.token_hex(8)
-            plan = plan_to_proto(draft.table, state.plan_version, nonce, self.policy.name, now,
-                                 draft.expected_goodput_tok_s)
-            _track(state, SentPlan(plan.version, nonce, draft, now, "plan"))
-            state.current = draft
-            state.last_push_at = now
-            state.plans_pushed += 1
-            out.append(plan)
+            out.append(self._send_table(state, draft, now))
         decisions = self._override_diff(state, draft, now)
         if decisions is not None:
             out.append(decisions)
         return out
 
+    def _send_table(self, state: WorkerState, draft: PlanDraft, now: float) -> plan_pb2.Plan:
+        state.plan_version += 1
+        nonce = secrets.token_hex(8)
+        plan = plan_to_proto(draft.table, state.plan_version, nonce, self.policy.name, now,
+                             draft.expected_goodput_tok_s)
+        _track(state, SentPlan(plan.version, nonce, draft, now, "plan"))
+        state.current = draft
+        state.current_version = plan.version
+        state.last_push_at = now
+        state.plans_pushed += 1
+        return plan
+
     def _should_push_table(self, state: WorkerState, draft: PlanDraft, obs: Observation, force: bool) -> bool:
+        if state.refused_table is not None and draft.table == state.refused_table:
+            return False  # the worker said no to this table; wait for a different one (or its next Hello)
         if state.current is None or force:
             return True
         if draft.table == state.current.table:
@@ -532,11 +621,13 @@ class Controller:
 
     # ---------------------------------------------------------------- decide
     def decide(self, state: WorkerState, request_id: str, context_len: int, batch_size: int) -> Decision:
+        """One request's decision from the current plan (planned now if there
+        is none yet: it then goes out as version 1 like any other plan)."""
         override = state.sent_overrides.get(request_id)
         if override is not None:
             return override
         if state.current is None:
-            state.current, _ = self.run_policy(state, self.clock())
+            self._send_table(state, self.run_policy(state, self.clock())[0], self.clock())
         return state.current.table.lookup(batch_size, context_len)
 
     # ---------------------------------------------------------------- policy
@@ -555,6 +646,9 @@ class Controller:
             policy=self.policy.name,
             policy_reloads=self.policy_reloads,
             policy_reload_failures=self.policy_reload_failures,
+            streams_superseded=self.streams_superseded,
+            workers_expired=self.workers_expired,
+            worker_idle_ttl_s=self.config.worker_idle_ttl_s,
         )
         for reason, count in sorted(self.rejections.items()):
             out.rejections.add(reason=reason, count=count)
@@ -585,6 +679,13 @@ class Controller:
             mean_batch_size=state.batch_ema,
             mean_context_len=_mean_context(state),
             observed_goodput_tok_s=state.observed_goodput(),
+            session=state.session,
+            last_seen_at=state.last_seen_at,
+            expired=state.expired,
+            streams_superseded=state.streams_superseded,
+            plans_used=state.plans_used,
+            last_nack_reason=state.last_nack_reason,
+            steps_received=state.steps_received,
         )
         view = self.acceptance.view(state.drafter_key, state.limits.max_depth, state.limits.max_width)
         kind = state.hello.drafter.kind
@@ -599,9 +700,9 @@ class Controller:
                 effective_samples=view.effective_samples(c).tolist(),
                 expected_accepted_chain=expected_chain_accepted(alpha),
             )
-        if state.current is not None:
-            ws.plan.CopyFrom(plan_to_proto(state.current.table, state.acked_version or state.plan_version, "",
-                                           self.policy.name, state.last_push_at, state.current.expected_goodput_tok_s))
+        if state.in_force is not None:  # the plan the worker acknowledged, not one merely sent
+            ws.plan.CopyFrom(plan_to_proto(state.in_force.table, state.acked_version, "", self.policy.name,
+                                           state.last_push_at, state.in_force.expected_goodput_tok_s))
         return ws
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from controller.metrics import acceptance_by_position, bucket_labels, mean_context_len, reason_label
 from policies.base import LoadProfile, Observation
 from policies.goodput import observed_mix, table_goodput
+from protos.speculation.v1 import controller_pb2
 
 if TYPE_CHECKING:
     from controller.alerting import DriftAlerting
@@ -267,6 +268,15 @@ class StatusHistory:
             "drafter_version": state.limits.version,
             "max_depth": state.limits.max_depth,
             "connected": state.connected,
+            "session": "unary" if state.session == controller_pb2.WORKER_SESSION_UNARY else "stream",
+            "idle_s": max(self.controller.clock() - state.last_seen_at, 0.0),
+            "expired": state.expired,
+            "streams_superseded": state.streams_superseded,
+            "steps_received": state.steps_received,
+            # The worker's own count (Hello.telemetry_loss) of what its telemetry lost.
+            "telemetry_loss": {"steps_dropped": h.telemetry_loss.steps_dropped,
+                               "steps_unconfirmed": h.telemetry_loss.steps_unconfirmed,
+                               "finished_dropped": h.telemetry_loss.finished_dropped},
             "plan_version": state.plan_version,
             "acked_plan_version": state.acked_version,
             "plans_pushed": state.plans_pushed,
@@ -283,8 +293,8 @@ class StatusHistory:
         }
         if not detail:
             return out
-        if state.current is not None:
-            table = state.current.table
+        if state.in_force is not None:  # what the worker acknowledged, not a plan merely sent
+            table = state.in_force.table
             rows = [table.row(b) for b in range(len(table.batch_edges))]
             out["plan"] = {
                 "batch_edges": list(table.batch_edges),
@@ -294,7 +304,7 @@ class StatusHistory:
                 "depth": [[d.depth for d in row] for row in rows],
                 "width": [[d.width for d in row] for row in rows],
                 "max_nodes": [[d.max_nodes for d in row] for row in rows],
-                "expected_goodput_tok_s": state.current.expected_goodput_tok_s,
+                "expected_goodput_tok_s": state.in_force.expected_goodput_tok_s,
             }
         out["history"] = (history or WorkerHistory(0)).to_dict()
         return out

@@ -29,7 +29,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from policies.table import Decision, DecisionTable
-from protos.speculation.v1 import plan_pb2
+from protos.speculation.v1 import controller_pb2, plan_pb2
 
 if TYPE_CHECKING:
     from controller.alerting import DriftAlerting
@@ -124,6 +124,14 @@ class WorkerFacts:
     table: DecisionTable | None  # frozen
     expected_goodput: float
     decision_now: Decision | None  # the plan's cell at the worker's mean batch and context
+    session: str = "stream"  # "stream" (Connect) or "unary" (Decide only)
+    idle_seconds: float = 0.0  # since its last message or Decide
+    expired: bool = False  # disconnected by the idle TTL
+    plans_used: int = 0  # plans a Decide-only worker applied by using them
+    streams_superseded: int = 0
+    steps_received: int = 0
+    # Hello.telemetry_loss: the worker's own count of steps dropped / unconfirmed, finished dropped.
+    telemetry_loss: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,8 @@ class MetricsSnapshot:
     policy_reloads: int
     policy_reload_failures: int
     speedups: dict[str, float]
+    streams_superseded: int
+    workers_expired: int
     drift: DriftFacts | None
     plan_cells: bool
 
@@ -164,14 +174,20 @@ def take_snapshot(controller: "Controller", history: "StatusHistory | None" = No
                   alerting: "DriftAlerting | None" = None, plan_cells: bool = True) -> MetricsSnapshot:
     """Copy what the metrics need (call on the controller's event loop)."""
     workers = []
+    now = controller.clock()
     for s in controller.workers.values():
         h = s.hello
+        loss = h.telemetry_loss
         workers.append(WorkerFacts(
             s.worker_id, h.engine, h.model, h.hardware.accelerator, s.limits.kind, s.limits.version, s.connected,
             s.steps_total, s.tokens_total, s.step_ms_total / 1000.0, s.batch_ema, s.observed_goodput(),
             s.plan_version, s.acked_version, s.plans_pushed, s.decisions_pushed, s.acks, s.nacks,
             dict(s.rejections), s.current.table if s.current else None,
-            s.current.expected_goodput_tok_s if s.current else 0.0, _decision_now(s)))
+            s.current.expected_goodput_tok_s if s.current else 0.0, _decision_now(s),
+            session="unary" if s.session == controller_pb2.WORKER_SESSION_UNARY else "stream",
+            idle_seconds=max(now - s.last_seen_at, 0.0), expired=s.expired, plans_used=s.plans_used,
+            streams_superseded=s.streams_superseded, steps_received=s.steps_received,
+            telemetry_loss=(loss.steps_dropped, loss.steps_unconfirmed, loss.finished_dropped)))
     drift = None
     if alerting is not None:
         monitor = alerting.monitor
@@ -183,7 +199,8 @@ def take_snapshot(controller: "Controller", history: "StatusHistory | None" = No
         tuple(controller.context_edges), workers,
         [(key, dict(counts)) for key, counts in controller.accept_counts.items()],
         dict(controller.rejections), controller.policy_reloads, controller.policy_reload_failures,
-        history.latest_speedups() if history is not None else {}, drift, plan_cells)
+        history.latest_speedups() if history is not None else {}, controller.streams_superseded,
+        controller.workers_expired, drift, plan_cells)
 
 
 def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
@@ -199,8 +216,20 @@ def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
 def _workers(snap: MetricsSnapshot) -> Iterable[Metric]:
     info = InfoMetricFamily("specctl_worker", "Worker identity from its latest Hello.",
                             labels=["worker", "engine", "model", "accelerator", "drafter_kind", "drafter_version"])
-    connected = GaugeMetricFamily("specctl_worker_connected", "1 while the worker holds a Connect stream.",
-                                  labels=["worker"])
+    connected = GaugeMetricFamily("specctl_worker_connected",
+                                  "1 while the worker holds a Connect stream (or, Decide-only, called within "
+                                  "worker_idle_ttl_s).", labels=["worker", "session"])
+    idle = GaugeMetricFamily("specctl_worker_idle_seconds", "Seconds since the worker's last message or Decide.",
+                             labels=["worker"])
+    expired = GaugeMetricFamily("specctl_worker_expired",
+                                "1 when the worker was taken for gone after worker_idle_ttl_s of silence.",
+                                labels=["worker"])
+    lost = CounterMetricFamily("specctl_worker_telemetry_lost_total",
+                               "Telemetry the worker says it lost (its Hello.telemetry_loss): steps its queue "
+                               "dropped, steps a broken stream left unconfirmed, finished requests dropped.",
+                               labels=["worker", "what"])
+    received = CounterMetricFamily("specctl_steps_received_total", "Step reports read, applied or rejected.",
+                                   labels=["worker"])
     steps = CounterMetricFamily("specctl_steps_total", "Engine steps ingested.", labels=["worker"])
     tokens = CounterMetricFamily("specctl_generated_tokens_total",
                                  "Tokens the worker's steps emitted (accepted drafts plus one per request-step).",
@@ -213,13 +242,24 @@ def _workers(snap: MetricsSnapshot) -> Iterable[Metric]:
     for w in snap.workers:
         wid = w.worker_id
         info.add_metric([wid, w.engine, w.model, w.accelerator, w.drafter_kind, w.drafter_version], {})
-        connected.add_metric([wid], 1.0 if w.connected else 0.0)
+        connected.add_metric([wid, w.session], 1.0 if w.connected else 0.0)
+        idle.add_metric([wid], w.idle_seconds)
+        expired.add_metric([wid], 1.0 if w.expired else 0.0)
+        for what, value in zip(("steps_dropped", "steps_unconfirmed", "finished_dropped"), w.telemetry_loss):
+            lost.add_metric([wid, what], value)
+        received.add_metric([wid], w.steps_received)
         steps.add_metric([wid], w.steps)
         tokens.add_metric([wid], w.tokens)
         step_time.add_metric([wid], w.step_seconds)
         batch.add_metric([wid], w.batch_size)
         realised.add_metric([wid], w.realised_goodput)
-    yield from (info, connected, steps, tokens, step_time, batch, realised)
+    yield from (info, connected, idle, expired, lost, received, steps, tokens, step_time, batch, realised)
+    yield CounterMetricFamily("specctl_streams_superseded_total",
+                              "Connect streams ended because a newer stream took their worker id.",
+                              value=snap.streams_superseded)
+    yield CounterMetricFamily("specctl_workers_expired_total",
+                              "Workers taken for gone after worker_idle_ttl_s without a message.",
+                              value=snap.workers_expired)
     yield CounterMetricFamily("specctl_policy_reloads_total", "Policy files loaded after start.",
                               value=snap.policy_reloads)
     yield CounterMetricFamily("specctl_policy_reload_failures_total", "Policy files refused (old policy kept).",
@@ -276,6 +316,8 @@ def _plans(snap: MetricsSnapshot) -> Iterable[Metric]:
                                  labels=["worker", "kind"])
     acks = CounterMetricFamily("specctl_plan_acks_total", "Plans and overrides the worker acknowledged.",
                                labels=["worker"])
+    used = CounterMetricFamily("specctl_plan_used_total",
+                               "Plans a Decide-only worker acknowledged by deciding from them.", labels=["worker"])
     nacks = CounterMetricFamily("specctl_plan_nacks_total", "Plans and overrides the worker refused.",
                                 labels=["worker"])
     for w in snap.workers:
@@ -285,6 +327,7 @@ def _plans(snap: MetricsSnapshot) -> Iterable[Metric]:
         pushed.add_metric([wid, "plan"], w.plans_pushed)
         pushed.add_metric([wid, "request_decisions"], w.decisions_pushed)
         acks.add_metric([wid], w.acks)
+        used.add_metric([wid], w.plans_used)
         nacks.add_metric([wid], w.nacks)
         if wid in snap.speedups:
             speedup.add_metric([wid], snap.speedups[wid])
@@ -304,7 +347,7 @@ def _plans(snap: MetricsSnapshot) -> Iterable[Metric]:
                 key = [wid, w.drafter_version, batch_label, contexts[c]]
                 depth.add_metric(key, cell.depth)
                 width.add_metric(key, cell.width)
-    yield from (depth_now, width_now, enabled_now, version, acked, estimated, speedup, pushed, acks, nacks)
+    yield from (depth_now, width_now, enabled_now, version, acked, estimated, speedup, pushed, acks, used, nacks)
     if snap.plan_cells:
         yield from (depth, width)
 

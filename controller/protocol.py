@@ -71,6 +71,8 @@ def validate_hello(hello: worker_pb2.Hello) -> None:
         "hello.drafter.max_tree_nodes",
         f"{d.max_tree_nodes} must be in max_depth ({d.max_depth})..4096",
     )
+    _need(hello.max_batch_size <= MAX_BATCH_SIZE, "hello.max_batch_size",
+          f"{hello.max_batch_size} must be in 0..{MAX_BATCH_SIZE} (0 = unknown)")
     _need(hello.verify_layout in worker_pb2.VerifyLayout.values(), "hello.verify_layout",
           f"{hello.verify_layout} is not a known VerifyLayout")
     _need(len(hello.calibration) <= MAX_CALIBRATION, "hello.calibration",
@@ -184,19 +186,25 @@ RequestRow = tuple[str, int, int, int, int, int, "tuple[int, ...] | None", "tupl
 
 
 def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
-                  last_step_id: int) -> list[RequestRow]:
-    """Check a step and return its requests as plain rows (fields read once)."""
+                  last_step_id: int, max_batch_size: int = MAX_BATCH_SIZE) -> list[RequestRow]:
+    """Check a step and return its requests as plain rows (fields read once).
+
+    ``max_batch_size``: the worker's Hello limit (a step above it is an
+    engine bug or a forged report, and one such step would dominate the
+    worker's cost fit)."""
     sid = step.step_id
     if sid <= last_step_id:
         raise Invalid(R.REJECT_REASON_STALE_STEP, f"{path}.step_id",
                       f"{sid} must exceed the last step id {last_step_id}", sid)
     if not (math.isfinite(step.timestamp) and step.timestamp >= 0):
         raise _bad(path, "timestamp", f"{step.timestamp} must be finite and >= 0", sid)
-    if not 1 <= step.batch_size <= MAX_BATCH_SIZE:
-        raise _bad(path, "batch_size", f"{step.batch_size} must be in 1..{MAX_BATCH_SIZE}", sid)
+    if not 1 <= step.batch_size <= max_batch_size:
+        raise _bad(path, "batch_size", f"{step.batch_size} must be in 1..{max_batch_size} (hello.max_batch_size)",
+                   sid)
     requests = step.requests
     if len(requests) > step.batch_size:
-        raise _bad(path, "requests", f"{len(requests)} entries exceed batch_size {step.batch_size}", sid)
+        raise _bad(path, "requests", f"{len(requests)} entries exceed batch_size {step.batch_size} (batch_size "
+                   "counts every request in the step, reported or not)", sid)
     for name in ("draft_ms", "verify_ms", "catch_up_ms"):
         value = getattr(step, name)
         if not (math.isfinite(value) and 0.0 <= value < 3.6e6):

@@ -1,6 +1,6 @@
 """``specctl serve``: the controller as a grpc.aio server.
 
-Health checking and server reflection are on; the policy file is watched
+Health checking and server reflection (v1 and v1alpha) are on; the policy file is watched
 and reloaded on change or SIGHUP. The drift monitor runs in the housekeeping
 tick (``controller.alerting``); SIGTERM stops gracefully, saving its baselines.
 """
@@ -17,13 +17,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from controller.alerting import DriftAlerting
 from controller.auth import Authenticator
 from controller.config import ServerConfig, TlsSettings
 from controller.core import Controller
 from controller.recorder import TelemetryRecorder
+from controller.reflection import enable_reflection
 from controller.reload import PolicySource
 from controller.service import SERVICE_NAME, SpeculationControllerServicer, rpc_handlers
 from controller.web import StatusSite
@@ -80,9 +80,7 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
     server.add_generic_rpc_handlers((rpc_handlers(servicer),))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    enable_reflection(server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
     tls = config.security.tls
     if tls is not None:
         port = server.add_secure_port(listen or config.listen, server_credentials(tls))
@@ -128,10 +126,12 @@ async def _housekeeping(running: RunningServer, poll_interval_s: float) -> None:
         if now - last_poll >= poll_interval_s:
             last_poll = now
             running.policy_source.poll()
+            running.servicer.expire_idle()
             running.controller.forget_idle_workers()
         if running.status_site is not None:
             running.status_site.tick(plan.tick_s)
         await running.servicer.push_due_plans(plan.tick_s * plan.policy_cpu_fraction)
+        running.servicer.send_receipts(running.controller.config.receipt_interval_s)
         if running.alerting is not None:
             running.alerting.tick(plan.tick_s)
 

@@ -4,6 +4,12 @@ Each Connect stream gets a bounded send queue; when a worker reads too
 slowly the oldest queued message is dropped (a newer plan supersedes an
 older one, and rejections are counted anyway), so one stuck stream never
 holds up another worker's plans.
+
+One stream per worker id: a newer stream's Hello ends the older one with
+ABORTED (counted, logged). A stream silent for ``worker_idle_ttl_s`` is
+ended with DEADLINE_EXCEEDED. About once a second a stream that brought
+steps gets a ``TelemetryReceipt`` naming the last step read, so the worker
+knows what a break may have lost.
 """
 
 from __future__ import annotations
@@ -18,9 +24,9 @@ import grpc
 
 from controller.alerting import WatcherOverflow
 from controller.alerts_proto import EXISTING_ALERTS_METADATA, alert_to_proto
-from controller.auth import Authenticator, AuthError, Identity, current_identity, guard_handlers
+from controller.auth import Authenticator, Identity, current_identity, guard_handlers
 from controller.core import Controller, WorkerState
-from controller.protocol import Invalid, R, decision_to_proto
+from controller.protocol import MAX_BATCH_SIZE, MAX_CONTEXT_LEN, Invalid, R, decision_to_proto
 from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
 
 log = logging.getLogger("specctl.service")
@@ -57,7 +63,19 @@ class Stream:
         self.state = state
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
         self.dropped = 0
-        self.denied: AuthError | None = None  # set when a later Hello named another worker
+        # Why the controller ends this stream, when it does (the call ends with this status).
+        self.ending: tuple[grpc.StatusCode, str] | None = None
+        # Steps read on this stream, and what the last receipt covered.
+        self.steps_read = 0
+        self.last_step_id = 0
+        self.receipted = 0
+        self.receipt_at = float("-inf")
+
+    def end(self, code: grpc.StatusCode, message: str) -> None:
+        """End the call with ``code``: nothing read after this is applied."""
+        if self.ending is None:
+            self.ending = (code, message)
+        self.send(None)
 
     def send(self, msg: plan_pb2.ControllerMessage | None) -> None:
         while True:
@@ -109,10 +127,17 @@ class SpeculationControllerServicer:
             state = ctl.hello(first.hello)
         except Invalid as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err.field}: {err.detail}")
+        ctl.seen(state, controller_pb2.WORKER_SESSION_STREAM)
         stream = Stream(state, ctl.config.send_queue_size)
         previous = self.streams.get(state.worker_id)
         if previous is not None:
-            previous.send(None)  # a reconnect supersedes the old stream
+            # Newest wins (a restarted worker must not wait for its dead stream to time out).
+            ctl.streams_superseded += 1
+            state.streams_superseded += 1
+            peer = context.peer()
+            log.warning("worker %s: a new stream from %s supersedes the open one", state.worker_id, peer)
+            previous.end(grpc.StatusCode.ABORTED, f"superseded by a newer stream for worker {state.worker_id!r} "
+                                                  f"(from {peer}); one stream per worker id, newest wins")
         self.streams[state.worker_id] = stream
         reader = asyncio.create_task(self._read(request_iterator, stream, identity))
         try:
@@ -122,8 +147,8 @@ class SpeculationControllerServicer:
                 if item is None:
                     break
                 yield item
-            if stream.denied is not None:
-                await context.abort(stream.denied.code, stream.denied.message)
+            if stream.ending is not None:
+                await context.abort(*stream.ending)
         finally:
             reader.cancel()
             if self.streams.get(state.worker_id) is stream:
@@ -131,12 +156,20 @@ class SpeculationControllerServicer:
                 ctl.disconnect(stream.state)
 
     async def _read(self, request_iterator: AsyncIterator, stream: Stream, identity: Identity | None) -> None:
+        ctl = self.controller
         try:
             async for msg in request_iterator:
+                if stream.ending is not None:
+                    break  # superseded, idle or denied: nothing more of this stream is applied
                 if not isinstance(msg, Malformed) and msg.WhichOneof("payload") == "hello":
-                    stream.denied = self.auth.check_worker(identity, msg.hello.worker_id)
-                    if stream.denied is not None:
-                        break  # nothing more of this stream is applied
+                    denied = self.auth.check_worker(identity, msg.hello.worker_id)
+                    if denied is not None:
+                        stream.end(denied.code, denied.message)
+                        break
+                ctl.seen(stream.state, controller_pb2.WORKER_SESSION_STREAM)
+                if not isinstance(msg, Malformed) and msg.WhichOneof("payload") == "reports" and msg.reports.steps:
+                    stream.steps_read += len(msg.reports.steps)
+                    stream.last_step_id = max(stream.last_step_id, max(s.step_id for s in msg.reports.steps))
                 for rejection in self.handle(stream.state, msg):
                     stream.send(wrap(rejection))
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
@@ -169,6 +202,10 @@ class SpeculationControllerServicer:
                 rejection = None
             except Invalid as err:
                 rejection = err.to_proto()
+            else:
+                stream = self.streams.get(state.worker_id)
+                if stream is not None:  # a new session on this stream: its step ids start over
+                    stream.last_step_id = 0
         else:
             rejection = ctl.reject(state, Invalid(R.REJECT_REASON_MALFORMED, "payload", "empty WorkerMessage"))
         return [rejection] if rejection is not None else []
@@ -194,6 +231,31 @@ class SpeculationControllerServicer:
             stream.send(wrap(item))
             sent = True
         return sent
+
+    def send_receipts(self, interval_s: float) -> None:
+        """Tell each stream that brought steps since its last receipt how far
+        the controller has read (at most once per ``interval_s``)."""
+        now = time.monotonic()
+        for stream in self.streams.values():
+            if stream.steps_read > stream.receipted and now - stream.receipt_at >= interval_s:
+                stream.receipted = stream.steps_read
+                stream.receipt_at = now
+                stream.send(plan_pb2.ControllerMessage(receipt=plan_pb2.TelemetryReceipt(
+                    last_step_id=stream.last_step_id, steps_received=stream.steps_read)))
+
+    def expire_idle(self) -> list[str]:
+        """Take workers silent for ``worker_idle_ttl_s`` for gone: end their
+        streams (DEADLINE_EXCEEDED); Decide-only ones are marked disconnected."""
+        ttl = self.controller.config.worker_idle_ttl_s
+        gone = []
+        for state in self.controller.idle_workers():
+            gone.append(state.worker_id)
+            stream = self.streams.get(state.worker_id)
+            if stream is not None:
+                stream.end(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"no message from worker {state.worker_id!r} for {ttl:g} s (worker_idle_ttl_s): "
+                           "send an empty StepReports as a heartbeat when idle")
+        return gone
 
     async def push_due_plans(self, budget_s: float) -> None:
         """Run due policies and push their plans, round-robin over the streams,
@@ -239,21 +301,31 @@ class SpeculationControllerServicer:
         if state is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"worker_id={request.worker_id!r} is unknown: include its hello in the first Decide")
+        limit = state.hello.max_batch_size or MAX_BATCH_SIZE
+        for i, q in enumerate(request.queries):  # all checked before anything is applied
+            if not 1 <= q.batch_size <= limit:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"queries[{i}].batch_size: {q.batch_size} must be in 1..{limit} "
+                                    "(hello.max_batch_size)")
+            if q.context_len > MAX_CONTEXT_LEN:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"queries[{i}].context_len: {q.context_len} must be in 0..{MAX_CONTEXT_LEN}")
+        session = (controller_pb2.WORKER_SESSION_STREAM if state.worker_id in self.streams
+                   else controller_pb2.WORKER_SESSION_UNARY)
+        ctl.seen(state, session)
         response = controller_pb2.DecideResponse()
         if request.HasField("reports"):
             if self.recorder is not None:
                 self.recorder.steps(state.worker_id, request.reports)
             response.rejections.extend(ctl.ingest(state, request.reports))
-            updates = ctl.plan_updates(state)
-            for item in updates:  # a unary caller has no stream to ACK on: it applies what it is answered
-                ctl.ack(state, worker_pb2.Ack(version=item.version, nonce=item.nonce))
-        for i, q in enumerate(request.queries):
-            if q.batch_size < 1 or q.context_len < 0:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"queries[{i}]: batch_size={q.batch_size}, context_len={q.context_len} out of range")
+        ctl.plan_updates(state)  # a new table when one is due; a unary caller gets it in the answers below
+        for q in request.queries:
             d = ctl.decide(state, q.request_id, q.context_len, q.batch_size)
             response.decisions.append(decision_to_proto(d))
-        response.plan_version = state.acked_version
+        if session == controller_pb2.WORKER_SESSION_UNARY:
+            for version in list(state.pending):  # it has no stream to ACK on: answering from a plan applies it
+                ctl.use(state, version)
+        response.plan_version = state.current_version
         return response
 
     # ----------------------------------------------------------- GetStatus

@@ -191,20 +191,38 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], table_id: str)
     return f'<table id="{table_id}"><tr>{head}</tr>{body}</table>'
 
 
+def _link_text(w: dict[str, Any]) -> str:
+    """Connected or not, how (stream or Decide only), and why not."""
+    how = w.get("session", "stream")
+    if w["connected"]:
+        return f"yes ({how})"
+    why = f", silent {w.get('idle_s', 0.0):,.0f} s" if w.get("expired") else ""
+    return f'<span class="off">no{escape(why)}</span>'
+
+
+def _loss_text(w: dict[str, Any]) -> str:
+    """The worker's own count of telemetry it lost (Hello.telemetry_loss)."""
+    loss = w.get("telemetry_loss") or {}
+    dropped, unconfirmed = loss.get("steps_dropped", 0), loss.get("steps_unconfirmed", 0)
+    if not dropped and not unconfirmed:
+        return "0"
+    return f'<span class="bad">{dropped:,} dropped · {unconfirmed:,} unconfirmed</span>'
+
+
 def fleet_table(snapshot: dict[str, Any]) -> str:
     rows = []
     for w in snapshot["workers"]:
         rows.append([
             f'<a href="?worker={escape(w["worker_id"])}">{escape(w["worker_id"])}</a>',
             escape(f"{w['drafter_kind']} {w['drafter_version']}"),
-            "yes" if w["connected"] else '<span class="off">no</span>',
+            _link_text(w),
             f"{w['plan_version']} ({w['acked_plan_version']})",
             f"{w['nacks']}" if not w["nacks"] else f'<span class="bad">{w["nacks"]}</span>',
-            f"{w['steps']:,}", f"{w['mean_batch_size']:.1f}", f"{w['mean_context_len']:,.0f}",
+            f"{w['steps']:,}", _loss_text(w), f"{w['mean_batch_size']:.1f}", f"{w['mean_context_len']:,.0f}",
             _fmt(w["realised_goodput_tok_s"]), _fmt(w["estimated_speedup"], ".2f") + "×",
         ])
-    return _table(["worker", "drafter", "connected", "plan v (acked)", "nacks", "steps", "batch", "context",
-                   "realised tok/s", "est. speedup"], rows, "fleet")
+    return _table(["worker", "drafter", "connected", "plan v (acked)", "nacks", "steps", "steps lost (worker's count)",
+                   "batch", "context", "realised tok/s", "est. speedup"], rows, "fleet")
 
 
 def alerts_table(snapshot: dict[str, Any]) -> str:
@@ -259,7 +277,8 @@ def render_page(snapshot: dict[str, Any]) -> str:
             f'<div class="meta">{escape(w["engine"])} · {escape(w["model"])} · {escape(w["accelerator"])} · '
             f'{"connected" if w["connected"] else "disconnected"} · plan v{w["plan_version"]} '
             f'(acked {w["acked_plan_version"]}) · batch {w["mean_batch_size"]:.1f} · '
-            f'context {w["mean_context_len"]:,.0f} · realised {_fmt(w["realised_goodput_tok_s"])} tok/s'
+            f'context {w["mean_context_len"]:,.0f} · realised {_fmt(w["realised_goodput_tok_s"])} tok/s · '
+            f'telemetry lost: {_loss_text(w)}'
             + (f' · earlier versions in view: {escape(", ".join(versions))}' if versions else "") + "</div>",
             '<div class="row">', *worker_charts(w, snapshot, x_range), "</div></div>",
         ]

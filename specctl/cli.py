@@ -17,7 +17,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as err:
-        print(f"specctl serve: {err}", file=sys.stderr)
+        from specctl.serve_config import policy_file_mistake
+
+        print(f"specctl serve: {policy_file_mistake(args.config) or err}", file=sys.stderr)
         return 2
     if args.policy:
         config = config.model_copy(update={"policy": args.policy})
@@ -57,9 +59,22 @@ def _demo(args: argparse.Namespace) -> int:
         from worker.demo_real import run_real_demo
 
         return run_real_demo(duration_s=args.duration, policy=args.policy, drafter=args.drafter)
-    from specctl.demo import run_demo
+    from specctl.demo import StatusPageError, run_demo
 
-    return run_demo(duration_s=args.duration, scenario=args.scenario, policy=args.policy, out_dir=args.out)
+    if args.status_listen:
+        from controller.http import parse_host_port
+
+        try:
+            parse_host_port(args.status_listen, "--status-listen")
+        except ValueError as err:
+            print(f"specctl demo: {err}", file=sys.stderr)
+            return 2
+    try:
+        return run_demo(duration_s=args.duration, scenario=args.scenario, policy=args.policy, out_dir=args.out,
+                        status_listen=args.status_listen)
+    except StatusPageError as err:
+        print(f"specctl demo: {err}", file=sys.stderr)
+        return 2
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -124,7 +139,7 @@ def _status(args: argparse.Namespace) -> int:
     except ClientSecurityError as err:
         print(f"specctl status: {err}", file=sys.stderr)
         return 2
-    return print_status(args.controller, args.worker, security)
+    return print_status(args.controller, args.worker, security, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--scenario", default="demo", help="scenario name or YAML file (default: demo)")
     demo.add_argument("--policy", default="goodput", help="policy preset for the controlled fleet")
     demo.add_argument("--out", default="demo-results", help="directory for demo.json + demo.png")
+    demo.add_argument("--status-listen", metavar="HOST:PORT", default="127.0.0.1:0",
+                      help="serve the controller's status page here while the fleet runs, its URL printed "
+                           "(default 127.0.0.1:0, a free port; '' for none)")
     demo.add_argument("--real", action="store_true",
                       help="controller + a real SmolLM2 worker (engine, drafter, HTTP) + load from 1 to 8, chat to code")
     demo.add_argument("--drafter", default="eagle", help="with --real: none, ngram, medusa or eagle")
@@ -195,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show the controller's workers, plans and models")
     status.add_argument("--controller", default="127.0.0.1:50051", help="HOST:PORT of the controller")
     status.add_argument("--worker", default="", help="only this worker id")
+    status.add_argument("--json", action="store_true",
+                        help="print the GetStatus answer as one JSON document (proto field names) instead of tables")
     from specctl.tokens import add_token_command
     from worker.security import add_client_security_args
 

@@ -24,6 +24,7 @@ from rich.live import Live
 from rich.table import Table
 
 from controller.config import ServerConfig, StoreSettings
+from controller.http import parse_host_port
 from controller.server import start_server
 from policies.presets import load_preset
 from policies.table import Decision
@@ -35,6 +36,8 @@ from worker.sim.worker import SimWorker, StepResult
 
 REFRESH_S = 0.5
 WINDOW_STEPS = 200  # steps behind the live "recent" columns
+STATUS_LISTEN = "127.0.0.1:0"  # the status page's HOST:PORT; port 0 picks a free one
+STATUS_SAMPLE_S = 1.0  # status page history: a sample a second, so a one-minute demo draws its charts
 
 
 def static_on_decision() -> Decision:
@@ -67,9 +70,21 @@ class LiveView:
             (t.batch_size, ctx, tokens, t.draft_ms + t.verify_ms, sum(accepted), len(accepted)))
 
 
+class StatusPageError(OSError):
+    """The status page cannot listen where ``--status-listen`` asked (the port is taken, say)."""
+
+
+def status_url(listen: str, port: int) -> str:
+    """The browser address of a status site listening on ``listen`` (its real ``port``)."""
+    host, _ = parse_host_port(listen, "status_listen")
+    host = {None: "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # every interface: loopback
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+
 def live_table(workers: list[SimWorker], agents: list[SpeculationAgent], view: LiveView, controller,
-               sim_now: float, duration: float) -> Table:
-    table = Table(title=f"specctl demo — simulated t = {sim_now:5.0f} s of {duration:.0f} s  (policy: {controller.policy.name})")
+               sim_now: float, duration: float, url: str = "") -> Table:
+    table = Table(title=f"specctl demo — simulated t = {sim_now:5.0f} s of {duration:.0f} s  (policy: {controller.policy.name})",
+                  caption=f"status page: {url}" if url else None)
     for col in ("worker", "drafter", "batch", "mean ctx", "decision", "plan v", "est. τ", "obs. τ", "goodput tok/s"):
         table.add_column(col, justify="right" if col not in ("worker", "drafter", "decision") else "left")
     for w, agent in zip(workers, agents):
@@ -151,10 +166,24 @@ def write_results(results: dict[str, dict[str, dict]], out_dir: Path, scenario: 
     return path
 
 
-async def _controlled_run(scenario_name: str, duration_s: float, policy: str, console: Console) -> dict[str, dict]:
+async def _controlled_run(scenario_name: str, duration_s: float, policy: str, console: Console,
+                          status_listen: str = STATUS_LISTEN) -> dict[str, dict]:
     scenario = load_scenario(scenario_name)
     # Every demo starts fresh: drift baselines in memory, not restored from an earlier run.
-    running = await start_server(ServerConfig(listen="127.0.0.1:0", policy=policy, store=StoreSettings(path="")))
+    config = ServerConfig(listen="127.0.0.1:0", policy=policy, store=StoreSettings(path=""),
+                          metrics_listen=status_listen, status_sample_interval_s=STATUS_SAMPLE_S)
+    try:
+        running = await start_server(config)
+    except OSError as err:
+        if not status_listen:
+            raise
+        raise StatusPageError(f"cannot serve the status page on {status_listen}: {err.strerror or err} "
+                              f"(--status-listen 127.0.0.1:0 picks a free port)") from err
+    url = ""
+    if running.status_site is not None:
+        url = status_url(status_listen, running.status_site.http.port)
+        console.print(f"status page: [bold]{url}[/] (open it in a browser while the demo runs; "
+                      f"Prometheus metrics at {url}metrics)", soft_wrap=True)
     workers = SimWorker.fleet(scenario)
     agents = [SpeculationAgent(hello_proto(w.hello), running.address, AgentOptions(fallback=Decision.off()))
               for w in workers]
@@ -169,9 +198,11 @@ async def _controlled_run(scenario_name: str, duration_s: float, policy: str, co
         with Live(console=console, refresh_per_second=4) as live:
             while not all(t.done() for t in sims):
                 sim_now = min((time.monotonic() - start) / time_scale, scenario.duration_s)
-                live.update(live_table(workers, agents, view, running.controller, sim_now, scenario.duration_s))
+                live.update(live_table(workers, agents, view, running.controller, sim_now, scenario.duration_s, url))
                 await asyncio.sleep(REFRESH_S)
-            live.update(live_table(workers, agents, view, running.controller, scenario.duration_s, scenario.duration_s))
+            # The last frame stays on screen after the page closes: without its URL.
+            live.update(live_table(workers, agents, view, running.controller, scenario.duration_s,
+                                   scenario.duration_s))
         for task in sims:
             task.result()
     finally:
@@ -183,7 +214,9 @@ async def _controlled_run(scenario_name: str, duration_s: float, policy: str, co
 
 
 def run_demo(duration_s: float = 60.0, scenario: str = "demo", policy: str = "goodput",
-             out_dir: str = "demo-results") -> int:
+             out_dir: str = "demo-results", status_listen: str = STATUS_LISTEN) -> int:
+    """``status_listen``: HOST:PORT of the controller's status page while the fleet runs (port 0: a free
+    one, printed); empty for none."""
     console = Console(width=None if sys.stdout.isatty() else 150)
     on = static_on_decision()
     console.print(f"[bold]specctl demo[/]: controller ({policy}) + simulated fleet '{scenario}' over gRPC for "
@@ -192,7 +225,7 @@ def run_demo(duration_s: float = 60.0, scenario: str = "demo", policy: str = "go
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
         on_future = pool.submit(run_fixed, scenario, on)
         off_future = pool.submit(run_fixed, scenario, Decision.off())
-        controlled = asyncio.run(_controlled_run(scenario, duration_s, policy, console))
+        controlled = asyncio.run(_controlled_run(scenario, duration_s, policy, console, status_listen))
         with console.status("waiting for the baseline fleets to finish their replay…"):
             results = {"controller": controlled, "always on": on_future.result(), "always off": off_future.result()}
     console.print()

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from dataclasses import dataclass, field
+
 import grpc
+from google.protobuf import json_format
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from controller.cost import CostParams
@@ -70,22 +76,30 @@ def estimated_speedup(w: controller_pb2.WorkerStatus) -> float | None:
     return w.plan.expected_goodput_tok_s / (1000.0 * b / plain_ms) if plain_ms > 0 else None
 
 
-def render_status(status: controller_pb2.GetStatusResponse) -> list[Table]:
-    workers = Table(title=f"workers (policy {status.policy}, reloads {status.policy_reloads}, "
-                          f"refused reloads {status.policy_reload_failures})")
-    for col in ("worker", "drafter", "connected", "plan v (acked)", "plan at this context: depth(×width) by batch",
-                "steps", "batch", "ctx", "goodput tok/s", "est. speedup", "verify ms = max(mem, compute)",
-                "fit rmse ms"):
-        workers.add_column(col)
-    acceptance = Table(title="acceptance per stratum (chain α per position, posterior mean)")
-    for col in ("drafter version", "context", "α_1..α_k", "E[τ] chain", "samples α_1"):
-        acceptance.add_column(col)
+@dataclass
+class Section:
+    """One table of ``specctl status``: its title, column names and rows of text."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: list[tuple[str, ...]] = field(default_factory=list)
+    right: tuple[str, ...] = ()  # columns justified right
+
+
+def status_sections(status: controller_pb2.GetStatusResponse) -> list[Section]:
+    workers = Section(f"workers (policy {status.policy}, reloads {status.policy_reloads}, "
+                      f"refused reloads {status.policy_reload_failures})",
+                      ("worker", "drafter", "connected", "plan v (acked)",
+                       "plan at this context: depth(×width) by batch", "steps", "batch", "ctx", "goodput tok/s",
+                       "est. speedup", "verify ms = max(mem, compute)", "fit rmse ms"))
+    acceptance = Section("acceptance per stratum (chain α per position, posterior mean)",
+                         ("drafter version", "context", "α_1..α_k", "E[τ] chain", "samples α_1"))
     seen = set()
     for w in status.workers:
         h, c = w.hello, w.cost_model
         kind = worker_pb2.DrafterKind.Name(h.drafter.kind).removeprefix("DRAFTER_KIND_").lower()
         speedup = estimated_speedup(w)
-        workers.add_row(
+        workers.rows.append((
             h.worker_id, f"{kind} {h.drafter.version}", "yes" if w.connected else "no",
             f"{w.plan_version} ({w.acked_plan_version})",
             plan_summary(w.plan, w.mean_context_len) if w.HasField("plan") else "–",
@@ -94,31 +108,79 @@ def render_status(status: controller_pb2.GetStatusResponse) -> list[Table]:
             f"{speedup:.2f}×" if speedup is not None else "–",
             f"max({c.mem_ms:.2f} + {c.mem_ms_per_kv_token:.2e}·kv, {compute_plane(c)})",
             f"{c.rmse_ms:.2f}",
-        )
+        ))
         for a in w.acceptance:
             key = (a.drafter_version, a.context_len_min)
             if key in seen or not a.effective_samples or a.effective_samples[0] < 1:
                 continue
             seen.add(key)
             upper = f"{a.context_len_max:,}" if a.context_len_max else "∞"
-            acceptance.add_row(a.drafter_version, f"[{a.context_len_min:,}, {upper})",
-                               " ".join(f"{x:.2f}" for x in a.alpha), f"{a.expected_accepted_chain:.2f}",
-                               f"{a.effective_samples[0]:.0f}")
-    rejected = Table(title="rejected messages")
-    rejected.add_column("reason")
-    rejected.add_column("count", justify="right")
+            acceptance.rows.append((a.drafter_version, f"[{a.context_len_min:,}, {upper})",
+                                    " ".join(f"{x:.2f}" for x in a.alpha), f"{a.expected_accepted_chain:.2f}",
+                                    f"{a.effective_samples[0]:.0f}"))
+    rejected = Section("rejected messages", ("reason", "count"), right=("count",))
     for r in status.rejections:
-        rejected.add_row(plan_pb2.RejectReason.Name(r.reason), str(r.count))
+        rejected.rows.append((plan_pb2.RejectReason.Name(r.reason), str(r.count)))
     return [workers, acceptance, rejected]
 
 
-def print_status(target: str, worker_id: str = "", security: ClientSecurity = ClientSecurity()) -> int:
-    console = Console()
+def section_table(section: Section) -> Table:
+    """The section as one row per entry (what a wide terminal shows)."""
+    table = Table(title=section.title)
+    for col in section.columns:
+        table.add_column(col, justify="right" if col in section.right else "left")
+    for row in section.rows:
+        table.add_row(*row)
+    return table
+
+
+def section_records(section: Section) -> Table:
+    """The section as a ``field  value`` block per entry: fits a narrow terminal or a pipe."""
+    table = Table(title=section.title, show_header=False, show_lines=False)
+    table.add_column("field", no_wrap=True, style="bold")
+    table.add_column("value", overflow="fold")
+    for row in section.rows:
+        for i, (col, value) in enumerate(zip(section.columns, row)):
+            table.add_row(col, value, end_section=i == len(row) - 1)
+    if not section.rows:
+        table.add_row("(none)", "")
+    return table
+
+
+def render_status(status: controller_pb2.GetStatusResponse) -> list[Table]:
+    return [section_table(s) for s in status_sections(status)]
+
+
+def fitted(console: Console, section: Section) -> Table:
+    """The section's table when it fits the console's width unwrapped, else its records."""
+    table = section_table(section)
+    # Measured without the console's bound, which would clamp the answer to the width itself.
+    unbounded = console.options.update(width=10**6, min_width=1, max_width=10**6)
+    if Measurement.get(console, unbounded, table).maximum <= console.width:
+        return table
+    return section_records(section)
+
+
+def status_json(status: controller_pb2.GetStatusResponse) -> str:
+    """The ``GetStatus`` answer as one JSON document (proto field names, zero values included)."""
+    return json.dumps(json_format.MessageToDict(status, preserving_proto_field_name=True,
+                                                always_print_fields_with_no_presence=True),
+                      indent=1, ensure_ascii=False)
+
+
+def print_status(target: str, worker_id: str = "", security: ClientSecurity = ClientSecurity(),
+                 as_json: bool = False) -> int:
+    """Print the controller's status: tables sized to the terminal (or ``COLUMNS``; 80 when piped),
+    or with ``as_json`` one JSON document. Errors go to stderr."""
     try:
         status = fetch_status(target, worker_id, security=security)
     except grpc.RpcError as err:
-        console.print(f"[red]specctl status: {target}: {err.code().name}: {err.details()}[/]")
+        print(f"specctl status: {target}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
-    for table in render_status(status):
-        console.print(table)
+    if as_json:
+        print(status_json(status))
+        return 0
+    console = Console()
+    for section in status_sections(status):
+        console.print(fitted(console, section))
     return 0

@@ -436,7 +436,7 @@ async def test_specctl_token_new_and_status_over_tls(serve, pki, tmp_path, capsy
     assert await asyncio.to_thread(cli.main, base + ["--token-file", str(token_file)]) == 0
     assert "rejected messages" in capsys.readouterr().out
     assert await asyncio.to_thread(cli.main, base) == 1
-    assert "UNAUTHENTICATED" in capsys.readouterr().out
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert running.servicer.auth.failures["missing_token"] == 1
     security = ClientSecurity(tls=True, ca_pem=pki.read("ca.pem"), token=token)
     assert token not in repr(security)

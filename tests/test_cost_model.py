@@ -4,10 +4,16 @@ context length."""
 
 from __future__ import annotations
 
+import copy
+import math
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from controller.cost import CostParams, StepCostModel
+from tests.support import TRUTH
 from worker.sim.hardware import CostModel
 
 H100_PRIOR = dict(bandwidth_gb_s=3350, peak_tflops=989, weight_bytes=16e9, kv_bytes_per_token=131072, params=8e9)
@@ -169,3 +175,149 @@ def test_a_cpu_where_every_token_costs_is_not_fitted_as_one_flat_memory_plane():
     for tokens, live_median in {1: 77.1, 3: 88.2, 5: 109.0, 8: 126.3}.items():
         assert price[tokens] == pytest.approx(live_median, rel=0.12), price
     assert price[5] - price[1] > 20.0  # four more tokens are not free here
+
+
+# ---------------------------------------------------------------- robustness (issue #25 item 6)
+
+TERMS = ("mem_ms", "mem_ms_per_kv_token", "compute_ms", "compute_ms_per_token", "compute_ms_per_pair",
+         "draft_fixed_ms", "draft_ms_per_level", "draft_ms_per_node", "draft_ms_per_level_kv_token",
+         "catch_up_ms_per_token")
+CONTEXTS = (300, 1000, 4000, 16000)
+# Every (batch tokens, KV tokens, pairs) the steady stream below runs: batch 1-8, 1-5 tokens a request.
+SEEN = np.array([(b * per, b * ctx, b * per * ctx) for b in range(1, 9) for per in range(1, 6) for ctx in CONTEXTS],
+                dtype=float).T
+
+
+def assert_sane(params: CostParams) -> None:
+    """No fitted term negative (or not finite); the curve never falls."""
+    for name in TERMS:
+        value = getattr(params, name)
+        assert math.isfinite(value) and value >= 0, (name, value)
+    rise = np.asarray(params.compute_rise_ms)
+    assert np.all(np.isfinite(rise)) and np.all(rise >= 0) and np.all(np.diff(rise) >= 0)
+
+
+@pytest.fixture(scope="module")
+def steady() -> StepCostModel:
+    """3,000 steps at batch 1-8 over four context lengths, timed by ``TRUTH`` with 2 % noise."""
+    rng = np.random.default_rng(11)
+    model = StepCostModel(prior=CostParams.from_hardware(**H100_PRIOR))
+    for _ in range(3000):
+        batch, per, ctx = int(rng.integers(1, 9)), int(rng.integers(1, 6)), float(rng.choice(CONTEXTS))
+        tokens, kv = batch * per, batch * ctx
+        model.observe_verify(tokens, kv, TRUTH.verify_ms(tokens, kv) * rng.normal(1.0, 0.02), tokens * ctx)
+    model.refit()
+    return model
+
+
+@pytest.mark.parametrize("tokens, kv, pairs, verify_ms", [
+    (60_000, 6e7, 6e7, 1e5),  # the integrator's batch of 60,000 tokens, 100 s (least squares: +81 %)
+    (60_000, 6e7, 6e7, "1000x"),  # the same at 1,000x its cost (+1,474 %)
+    (256, 2e3, 5.12e5, 1e5),  # 256 tokens in 100 s, just past the data (+149 %)
+    (24, 1.28e5, 3.84e5, "1000x"),  # 1,000x the cost at a shape seen before (its cell: 44 steps; +509 %)
+    (8, 4e3, 8e3, "1000x"),  # (48 steps; +59 %)
+    (1, 300, 300, "1000x"),  # plain decoding (17 steps; +39 %)
+    (1, 1e9, 1e9, 1e5),  # KV 8,000x past the rest: it tilted the memory plane (+12 %)
+    (8, 1e6, 8e6, 1e4),  # KV 8x past the rest, 10 s (+3,166 %)
+])
+def test_one_absurd_step_leaves_the_prices_of_the_shapes_seen(steady, tokens, kv, pairs, verify_ms) -> None:
+    """After a steady stream, one absurd step report (a batch far past the data,
+    or a time 1,000x the truth at a shape seen many times) moves the fitted
+    price of no shape seen by more than 2 % or 0.1 ms, leaves every term
+    non-negative, and does not inflate the RMSE (the standard error every
+    price carries). Plain least squares moved them by the percentages noted."""
+    model = copy.deepcopy(steady)
+    model.observe_verify(tokens, kv, 1000 * TRUTH.verify_ms(tokens, kv) if verify_ms == "1000x" else verify_ms,
+                         pairs)
+    fit = model.refit()
+    before, after = steady.params.verify_ms(*SEEN), fit.verify_ms(*SEEN)
+    moved = np.abs(after - before)
+    assert np.all((moved <= 0.1) | (moved <= 0.02 * before)), float(np.max(moved / before))
+    assert_sane(fit)
+    assert model.rmse_ms < 1.2 * steady.rmse_ms
+
+
+def test_a_real_step_past_the_data_is_still_learned_at_once(steady) -> None:
+    """The rule judges a step by how well the rest knows its shape: one
+    compute-bound step at 2,048 tokens (far past batch 8, where the memory
+    plane alone would say 12 ms) is priced at what it took, as before."""
+    model = copy.deepcopy(steady)
+    model.observe_verify(2048, 256 * 300, TRUTH.verify_ms(2048, 256 * 300), 2048 * 300)
+    fit = model.refit()
+    assert fit.verify_ms(2048, 256 * 300, 2048 * 300) == pytest.approx(TRUTH.verify_ms(2048, 256 * 300), rel=0.02)
+    assert np.allclose(fit.verify_ms(*SEEN), steady.params.verify_ms(*SEEN), rtol=0.02)
+
+
+def test_a_lone_huge_batch_never_makes_the_compute_intercept_negative() -> None:
+    """Issue #25 item 6: a single report of 60,000 batch tokens (every batch past
+    the last knot) left no active curve segment; the intercept was anchored
+    there and the prior's curve (0.04 ms a token) subtracted: -2,414 ms. Data
+    only at one token likewise keeps the prior's curve under a fitted,
+    non-negative intercept."""
+    prior = CostParams.from_hardware(**H100_PRIOR)
+    model = StepCostModel(prior=prior)
+    model.observe_verify(60_000, 1000, 10.0, 6e7)
+    fit = model.refit()
+    assert_sane(fit)
+    assert fit.verify_ms(60_000, 1000, 6e7) == pytest.approx(10.0, rel=0.5)
+    plain = StepCostModel(prior=CostParams(mem_ms=50.0, compute_ms=1.0, compute_ms_per_token=2.0))
+    for ms in (0.5, 0.6, 0.4):
+        plain.observe_verify(1, 100, ms)
+    assert_sane(plain.refit())
+
+
+def test_reports_that_are_not_times_are_dropped() -> None:
+    """NaN, infinite or negative times (and counts) never reach the sketches:
+    one would poison its cell (or the draft normal equations) for good."""
+    model = StepCostModel(prior=CostParams())
+    for i in range(50):
+        model.observe_step(4, 1000, 3, 3, 3000, 1.5, 20.0)
+    model.observe_step(4, 1000, 3, 3, 3000, float("nan"), float("nan"))
+    model.observe_step(4, float("inf"), 3, 3, 3000, -1.0, 20.0)
+    model.observe_verify(4, 1000, -5.0)
+    model.observe_catch_up(10, float("nan"))
+    model.observe_catch_up(10, -1.0)
+    fit = model.refit()
+    assert_sane(fit)
+    assert model.samples == 50 and fit.catch_up_ms_per_token == 0.0
+    assert fit.verify_ms(4, 1000) == pytest.approx(20.0, rel=1e-3)
+    assert fit.draft_ms(3, 3) == pytest.approx(1.5, rel=1e-3)
+
+
+OBSERVATION = st.tuples(
+    st.one_of(st.integers(1, 64), st.integers(1, 70_000), st.sampled_from([1, 8, 16_384, 32_768, 60_000])),
+    st.one_of(st.just(0.0), st.floats(0, 2e5), st.floats(0, 1e9)),  # KV tokens
+    st.floats(0, 1e12),  # attention pairs
+    st.one_of(st.floats(0, 100), st.floats(0, 1e6), st.sampled_from([0.0, 1e-3, 1e5])),  # verify ms
+)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(observations=st.lists(OBSERVATION, min_size=1, max_size=25),
+       drafts=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 64), st.floats(0, 1e8), st.floats(0, 1e3)),
+                       max_size=10),
+       catch_ups=st.lists(st.tuples(st.integers(1, 500), st.floats(0, 1e3)), max_size=4),
+       calibration=st.lists(st.tuples(st.integers(1, 4096), st.floats(0, 1e6), st.floats(0, 1e9),
+                                      st.floats(0.01, 1e4), st.floats(0.5, 10)), max_size=5),
+       hardware_prior=st.booleans(), repeat=st.integers(1, 4))
+def test_no_observations_ever_fit_a_negative_term(observations, drafts, catch_ups, calibration, hardware_prior,
+                                                 repeat) -> None:
+    """Any set of verify, draft and catch-up reports (each seen up to four
+    times) and start-up calibration fits parameters with every term
+    non-negative and finite, a curve that never falls and prices that are
+    never negative."""
+    model = StepCostModel(prior=CostParams.from_hardware(**H100_PRIOR) if hardware_prior else CostParams())
+    model.calibrate(calibration)
+    for _ in range(repeat):
+        for tokens, kv, pairs, ms in observations:
+            model.observe_verify(tokens, kv, ms, pairs)
+        for depth, nodes, level_kv, ms in drafts:
+            model.observe_draft(depth, nodes, level_kv, ms)
+        for tokens, ms in catch_ups:
+            model.observe_catch_up(tokens, ms)
+    fit = model.refit()
+    assert_sane(fit)
+    tokens = np.array([1.0, 7.0, 40.0, 300.0, 5000.0, 60_000.0, 1e6])
+    assert np.all(fit.verify_ms(tokens, 1e4, tokens * 1e3) >= 0)
+    assert np.all(fit.verify_sd_ms(tokens) >= 0) and fit.draft_ms(4, 8, level_kv_tokens=1e5) >= 0

@@ -15,6 +15,12 @@ receives and answers each with an Ack or a Nack (a refused plan leaves the
 previous one in force), and reconnects with exponential backoff and full
 jitter. Before any plan arrives, and while cut off from the controller, the
 agent keeps deciding on the fallback decision or the last plan it applied.
+
+Nothing is lost without being counted: steps the queue dropped, and steps
+written to a stream that broke before a ``TelemetryReceipt`` covered them,
+are in ``AgentStats`` and in every Hello the agent sends
+(``Hello.telemetry_loss``). When idle it sends an empty ``StepReports`` as a
+heartbeat so the controller does not take it for gone.
 """
 
 from __future__ import annotations
@@ -45,8 +51,17 @@ class AgentStats:
     plans_applied: int = 0
     decisions_applied: int = 0
     nacks_sent: int = 0
-    dropped_steps: int = 0
+    dropped_steps: int = 0  # dropped since the last StepReports (reported in its dropped_steps)
     steps_sent: int = 0
+    # Telemetry loss since start (Hello.telemetry_loss): queue drops, and steps
+    # written to a stream that broke before a receipt covered them.
+    steps_dropped_total: int = 0
+    steps_unconfirmed: int = 0
+    finished_dropped: int = 0
+    steps_confirmed: int = 0
+    receipts: int = 0
+    superseded: int = 0  # streams the controller ended because another took this worker id
+    heartbeats: int = 0
     reconnects: int = 0
     rejections: int = 0
     last_rejection: str = ""
@@ -61,6 +76,9 @@ class AgentOptions:
     max_steps_per_message: int = 64
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 5.0
+    # An empty StepReports after this long with nothing to send: the controller
+    # takes a worker silent for worker_idle_ttl_s (default 120 s) for gone.
+    heartbeat_interval_s: float = 15.0
 
 
 def step_to_proto(step: StepTelemetry) -> worker_pb2.StepReport:
@@ -132,6 +150,7 @@ class SpeculationAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._outbox: asyncio.Queue | None = None  # the live session's, while connected
+        self._unconfirmed: deque[int] = deque()  # step ids written on the live stream, no receipt yet
 
     # ------------------------------------------------------------ hot path
     def decide(self, request_id: str, context_len: int, batch_size: int) -> Decision:
@@ -145,12 +164,14 @@ class SpeculationAgent:
             if len(self._steps) >= self.options.queue_size:
                 self._steps.popleft()
                 self.stats.dropped_steps += 1
+                self.stats.steps_dropped_total += 1
             self._steps.append(step)
 
     def finish(self, summary: RequestSummary) -> None:
         with self._lock:
             if len(self._finished) >= self.options.queue_size:
                 self._finished.popleft()
+                self.stats.finished_dropped += 1
             self._finished.append(summary)
         if summary.request_id in self._overrides:
             overrides = dict(self._overrides)
@@ -195,6 +216,10 @@ class SpeculationAgent:
         hello = worker_pb2.Hello()
         hello.CopyFrom(self.hello)
         hello.current_plan_version = self.stats.plan_version
+        loss = hello.telemetry_loss
+        loss.steps_dropped = self.stats.steps_dropped_total
+        loss.steps_unconfirmed = self.stats.steps_unconfirmed
+        loss.finished_dropped = self.stats.finished_dropped
         return hello
 
     @property
@@ -245,7 +270,14 @@ class SpeculationAgent:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure means: reconnect
                 self.stats.last_error = f"{type(err).__name__}: {err}"
-                if isinstance(err, grpc.aio.AioRpcError) and err.code() in _REFUSED:
+                if isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.ABORTED:
+                    # Another stream took this worker id (a twin with the same id, or our own
+                    # restart's leftover): come back slowly, or the two take the id in turns.
+                    self.stats.superseded += 1
+                    backoff = self.options.backoff_max_s
+                    log.warning("controller %s ended worker %r's stream: %s", self.target, self.hello.worker_id,
+                                err.details())
+                elif isinstance(err, grpc.aio.AioRpcError) and err.code() in _REFUSED:
                     log.warning("controller %s refused worker %r: %s %s", self.target, self.hello.worker_id,
                                 err.code().name, err.details())
                 else:
@@ -295,6 +327,9 @@ class SpeculationAgent:
                 self._outbox = None
                 outbox.put_nowait(_SESSION_OVER)
                 stream_up.set()
+                # Written, never confirmed: they may or may not have reached the controller.
+                self.stats.steps_unconfirmed += len(self._unconfirmed)
+                self._unconfirmed.clear()
             if read_task.done() and not read_task.cancelled() and read_task.exception():
                 raise read_task.exception()
 
@@ -302,6 +337,7 @@ class SpeculationAgent:
         yield worker_pb2.WorkerMessage(hello=self._current_hello())
         await stream_up.wait()
         interval = self.options.flush_interval_s
+        last_sent = time.monotonic()
         while True:
             try:
                 queued = [await asyncio.wait_for(outbox.get(), timeout=interval)]
@@ -309,12 +345,18 @@ class SpeculationAgent:
                     queued.append(outbox.get_nowait())
             except asyncio.TimeoutError:
                 queued = []
-            for msg in queued:
-                if msg is _SESSION_OVER:
-                    return
+            if _SESSION_OVER in queued:
+                return
+            drained = self._drain()
+            if not queued and not drained and time.monotonic() - last_sent >= self.options.heartbeat_interval_s:
+                self.stats.heartbeats += 1
+                drained = [worker_pb2.WorkerMessage(reports=worker_pb2.StepReports())]
+            for msg in queued + drained:
+                if msg.WhichOneof("payload") == "reports":
+                    self._unconfirmed.extend(step.step_id for step in msg.reports.steps)
                 yield msg
-            for msg in self._drain():
-                yield msg
+            if queued or drained:
+                last_sent = time.monotonic()
 
     def _drain(self) -> list[worker_pb2.WorkerMessage]:
         with self._lock:
@@ -345,11 +387,21 @@ class SpeculationAgent:
                 outbox.put_nowait(self._apply_plan(msg.plan))
             elif kind == "request_decisions":
                 outbox.put_nowait(self._apply_decisions(msg.request_decisions))
+            elif kind == "receipt":
+                self._confirm(msg.receipt.last_step_id)
             elif kind == "rejection":
                 self.stats.rejections += 1
                 r = msg.rejection
                 self.stats.last_rejection = f"{plan_pb2.RejectReason.Name(r.reason)} {r.field}: {r.detail}"
                 log.debug("controller rejected telemetry: %s", self.stats.last_rejection)
+
+    def _confirm(self, last_step_id: int) -> None:
+        """A receipt: the controller has read every step up to ``last_step_id``."""
+        self.stats.receipts += 1
+        unconfirmed = self._unconfirmed
+        while unconfirmed and unconfirmed[0] <= last_step_id:
+            unconfirmed.popleft()
+            self.stats.steps_confirmed += 1
 
     def _apply_plan(self, plan: plan_pb2.Plan) -> worker_pb2.WorkerMessage:
         try:

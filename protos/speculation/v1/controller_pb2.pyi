@@ -36,6 +36,12 @@ class AlertEvent(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALERT_EVENT_OPENED: _ClassVar[AlertEvent]
     ALERT_EVENT_RESOLVED: _ClassVar[AlertEvent]
     ALERT_EVENT_ACKNOWLEDGED: _ClassVar[AlertEvent]
+
+class WorkerSession(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_SESSION_UNSPECIFIED: _ClassVar[WorkerSession]
+    WORKER_SESSION_STREAM: _ClassVar[WorkerSession]
+    WORKER_SESSION_UNARY: _ClassVar[WorkerSession]
 ALERT_ACTION_UNSPECIFIED: AlertAction
 ALERT_ACTION_RETRAIN_HEADS: AlertAction
 ALERT_ACTION_EXTEND_TRAINING_CONTEXT: AlertAction
@@ -52,6 +58,9 @@ ALERT_EVENT_EXISTING: AlertEvent
 ALERT_EVENT_OPENED: AlertEvent
 ALERT_EVENT_RESOLVED: AlertEvent
 ALERT_EVENT_ACKNOWLEDGED: AlertEvent
+WORKER_SESSION_UNSPECIFIED: WorkerSession
+WORKER_SESSION_STREAM: WorkerSession
+WORKER_SESSION_UNARY: WorkerSession
 
 class DriftAlert(_message.Message):
     __slots__ = ("id", "drafter_kind", "drafter_version", "stratum", "context_len_min", "context_len_max", "domain", "detector", "statistic", "has_p_value", "p_value", "p_adjusted", "score", "baseline_hist", "current_hist", "baseline_alpha", "current_alpha", "expected_tau_change", "first_seen", "opened_at", "severity", "action", "message", "status", "resolved_at", "resolution", "n_baseline", "n_current", "event", "acked_at", "acked_by")
@@ -246,7 +255,7 @@ class StratumAcceptance(_message.Message):
     def __init__(self, drafter_kind: _Optional[_Union[_worker_pb2.DrafterKind, str]] = ..., drafter_version: _Optional[str] = ..., context_len_min: _Optional[int] = ..., context_len_max: _Optional[int] = ..., alpha: _Optional[_Iterable[float]] = ..., effective_samples: _Optional[_Iterable[float]] = ..., expected_accepted_chain: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("hello", "connected", "plan_version", "acked_plan_version", "nacks", "steps_ingested", "last_report_at", "cost_model", "acceptance", "mean_batch_size", "mean_context_len", "observed_goodput_tok_s", "plan")
+    __slots__ = ("hello", "connected", "plan_version", "acked_plan_version", "nacks", "steps_ingested", "last_report_at", "cost_model", "acceptance", "mean_batch_size", "mean_context_len", "observed_goodput_tok_s", "plan", "session", "last_seen_at", "expired", "streams_superseded", "plans_used", "last_nack_reason", "steps_received")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +269,13 @@ class WorkerStatus(_message.Message):
     MEAN_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_GOODPUT_TOK_S_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    PLANS_USED_FIELD_NUMBER: _ClassVar[int]
+    LAST_NACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    STEPS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     hello: _worker_pb2.Hello
     connected: bool
     plan_version: int
@@ -273,7 +289,14 @@ class WorkerStatus(_message.Message):
     mean_context_len: float
     observed_goodput_tok_s: float
     plan: _plan_pb2.Plan
-    def __init__(self, hello: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., connected: _Optional[bool] = ..., plan_version: _Optional[int] = ..., acked_plan_version: _Optional[int] = ..., nacks: _Optional[int] = ..., steps_ingested: _Optional[int] = ..., last_report_at: _Optional[float] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ..., acceptance: _Optional[_Iterable[_Union[StratumAcceptance, _Mapping]]] = ..., mean_batch_size: _Optional[float] = ..., mean_context_len: _Optional[float] = ..., observed_goodput_tok_s: _Optional[float] = ..., plan: _Optional[_Union[_plan_pb2.Plan, _Mapping]] = ...) -> None: ...
+    session: WorkerSession
+    last_seen_at: float
+    expired: bool
+    streams_superseded: int
+    plans_used: int
+    last_nack_reason: str
+    steps_received: int
+    def __init__(self, hello: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., connected: _Optional[bool] = ..., plan_version: _Optional[int] = ..., acked_plan_version: _Optional[int] = ..., nacks: _Optional[int] = ..., steps_ingested: _Optional[int] = ..., last_report_at: _Optional[float] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ..., acceptance: _Optional[_Iterable[_Union[StratumAcceptance, _Mapping]]] = ..., mean_batch_size: _Optional[float] = ..., mean_context_len: _Optional[float] = ..., observed_goodput_tok_s: _Optional[float] = ..., plan: _Optional[_Union[_plan_pb2.Plan, _Mapping]] = ..., session: _Optional[_Union[WorkerSession, str]] = ..., last_seen_at: _Optional[float] = ..., expired: _Optional[bool] = ..., streams_superseded: _Optional[int] = ..., plans_used: _Optional[int] = ..., last_nack_reason: _Optional[str] = ..., steps_received: _Optional[int] = ...) -> None: ...
 
 class RejectionCount(_message.Message):
     __slots__ = ("reason", "count")
@@ -284,15 +307,21 @@ class RejectionCount(_message.Message):
     def __init__(self, reason: _Optional[_Union[_plan_pb2.RejectReason, str]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("workers", "rejections", "policy", "policy_reloads", "policy_reload_failures")
+    __slots__ = ("workers", "rejections", "policy", "policy_reloads", "policy_reload_failures", "streams_superseded", "workers_expired", "worker_idle_ttl_s")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POLICY_RELOADS_FIELD_NUMBER: _ClassVar[int]
     POLICY_RELOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDLE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     rejections: _containers.RepeatedCompositeFieldContainer[RejectionCount]
     policy: str
     policy_reloads: int
     policy_reload_failures: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., rejections: _Optional[_Iterable[_Union[RejectionCount, _Mapping]]] = ..., policy: _Optional[str] = ..., policy_reloads: _Optional[int] = ..., policy_reload_failures: _Optional[int] = ...) -> None: ...
+    streams_superseded: int
+    workers_expired: int
+    worker_idle_ttl_s: float
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., rejections: _Optional[_Iterable[_Union[RejectionCount, _Mapping]]] = ..., policy: _Optional[str] = ..., policy_reloads: _Optional[int] = ..., policy_reload_failures: _Optional[int] = ..., streams_superseded: _Optional[int] = ..., workers_expired: _Optional[int] = ..., worker_idle_ttl_s: _Optional[float] = ...) -> None: ...

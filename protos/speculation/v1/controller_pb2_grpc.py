@@ -3,9 +3,9 @@
 import grpc
 import warnings
 
-from protos.speculation.v1 import controller_pb2 as protos_dot_speculation_dot_v1_dot_controller__pb2
-from protos.speculation.v1 import plan_pb2 as protos_dot_speculation_dot_v1_dot_plan__pb2
-from protos.speculation.v1 import worker_pb2 as protos_dot_speculation_dot_v1_dot_worker__pb2
+from protos.speculation.v1 import controller_pb2 as speculation_dot_v1_dot_controller__pb2
+from protos.speculation.v1 import plan_pb2 as speculation_dot_v1_dot_plan__pb2
+from protos.speculation.v1 import worker_pb2 as speculation_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -20,7 +20,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/speculation/v1/controller_pb2_grpc.py depends on'
+        + ' but the generated code in speculation/v1/controller_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,33 +38,33 @@ class SpeculationControllerStub:
         """
         self.Connect = channel.stream_stream(
                 '/speculation.v1.SpeculationController/Connect',
-                request_serializer=protos_dot_speculation_dot_v1_dot_worker__pb2.WorkerMessage.SerializeToString,
-                response_deserializer=protos_dot_speculation_dot_v1_dot_plan__pb2.ControllerMessage.FromString,
+                request_serializer=speculation_dot_v1_dot_worker__pb2.WorkerMessage.SerializeToString,
+                response_deserializer=speculation_dot_v1_dot_plan__pb2.ControllerMessage.FromString,
                 _registered_method=True)
         self.Decide = channel.unary_unary(
                 '/speculation.v1.SpeculationController/Decide',
-                request_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.DecideRequest.SerializeToString,
-                response_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.DecideResponse.FromString,
+                request_serializer=speculation_dot_v1_dot_controller__pb2.DecideRequest.SerializeToString,
+                response_deserializer=speculation_dot_v1_dot_controller__pb2.DecideResponse.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/speculation.v1.SpeculationController/GetStatus',
-                request_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusRequest.SerializeToString,
-                response_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusResponse.FromString,
+                request_serializer=speculation_dot_v1_dot_controller__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=speculation_dot_v1_dot_controller__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
         self.WatchAlerts = channel.unary_stream(
                 '/speculation.v1.SpeculationController/WatchAlerts',
-                request_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.WatchAlertsRequest.SerializeToString,
-                response_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.DriftAlert.FromString,
+                request_serializer=speculation_dot_v1_dot_controller__pb2.WatchAlertsRequest.SerializeToString,
+                response_deserializer=speculation_dot_v1_dot_controller__pb2.DriftAlert.FromString,
                 _registered_method=True)
         self.AckAlert = channel.unary_unary(
                 '/speculation.v1.SpeculationController/AckAlert',
-                request_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertRequest.SerializeToString,
-                response_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertResponse.FromString,
+                request_serializer=speculation_dot_v1_dot_controller__pb2.AckAlertRequest.SerializeToString,
+                response_deserializer=speculation_dot_v1_dot_controller__pb2.AckAlertResponse.FromString,
                 _registered_method=True)
         self.ReloadPolicy = channel.unary_unary(
                 '/speculation.v1.SpeculationController/ReloadPolicy',
-                request_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
-                response_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyResponse.FromString,
+                request_serializer=speculation_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
+                response_deserializer=speculation_dot_v1_dot_controller__pb2.ReloadPolicyResponse.FromString,
                 _registered_method=True)
 
 
@@ -78,6 +78,14 @@ class SpeculationControllerServicer:
         RequestDecisions when its estimates move, and a Rejection for every part
         of a message it refuses (the stream stays open; a message before Hello
         ends the stream with INVALID_ARGUMENT).
+
+        How a stream ends, and what the worker should do:
+        ABORTED            a newer stream took this worker id (see Hello).
+        DEADLINE_EXCEEDED  nothing arrived for worker_idle_ttl_s; reconnect
+        and send a heartbeat (empty StepReports) when idle.
+        INVALID_ARGUMENT   the first message was not a valid Hello.
+        UNAUTHENTICATED / PERMISSION_DENIED  a token or certificate problem.
+        On any of them the worker keeps decoding on the last plan it applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,7 +93,11 @@ class SpeculationControllerServicer:
 
     def Decide(self, request, context):
         """Unary decisions for engines that cannot hold a stream. Telemetry may
-        ride along; a worker not yet known must include its Hello.
+        ride along; a worker not yet known must include its Hello. A unary
+        worker acknowledges by using: every plan the controller makes for it is
+        counted as applied when a Decide answers from it (no Ack is sent), and
+        DecideResponse.plan_version names it. A worker that calls no Decide for
+        worker_idle_ttl_s shows as disconnected.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,33 +143,33 @@ def add_SpeculationControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=protos_dot_speculation_dot_v1_dot_worker__pb2.WorkerMessage.FromString,
-                    response_serializer=protos_dot_speculation_dot_v1_dot_plan__pb2.ControllerMessage.SerializeToString,
+                    request_deserializer=speculation_dot_v1_dot_worker__pb2.WorkerMessage.FromString,
+                    response_serializer=speculation_dot_v1_dot_plan__pb2.ControllerMessage.SerializeToString,
             ),
             'Decide': grpc.unary_unary_rpc_method_handler(
                     servicer.Decide,
-                    request_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.DecideRequest.FromString,
-                    response_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.DecideResponse.SerializeToString,
+                    request_deserializer=speculation_dot_v1_dot_controller__pb2.DecideRequest.FromString,
+                    response_serializer=speculation_dot_v1_dot_controller__pb2.DecideResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusRequest.FromString,
-                    response_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusResponse.SerializeToString,
+                    request_deserializer=speculation_dot_v1_dot_controller__pb2.GetStatusRequest.FromString,
+                    response_serializer=speculation_dot_v1_dot_controller__pb2.GetStatusResponse.SerializeToString,
             ),
             'WatchAlerts': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchAlerts,
-                    request_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.WatchAlertsRequest.FromString,
-                    response_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.DriftAlert.SerializeToString,
+                    request_deserializer=speculation_dot_v1_dot_controller__pb2.WatchAlertsRequest.FromString,
+                    response_serializer=speculation_dot_v1_dot_controller__pb2.DriftAlert.SerializeToString,
             ),
             'AckAlert': grpc.unary_unary_rpc_method_handler(
                     servicer.AckAlert,
-                    request_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertRequest.FromString,
-                    response_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertResponse.SerializeToString,
+                    request_deserializer=speculation_dot_v1_dot_controller__pb2.AckAlertRequest.FromString,
+                    response_serializer=speculation_dot_v1_dot_controller__pb2.AckAlertResponse.SerializeToString,
             ),
             'ReloadPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.ReloadPolicy,
-                    request_deserializer=protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyRequest.FromString,
-                    response_serializer=protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyResponse.SerializeToString,
+                    request_deserializer=speculation_dot_v1_dot_controller__pb2.ReloadPolicyRequest.FromString,
+                    response_serializer=speculation_dot_v1_dot_controller__pb2.ReloadPolicyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,8 +197,8 @@ class SpeculationController:
             request_iterator,
             target,
             '/speculation.v1.SpeculationController/Connect',
-            protos_dot_speculation_dot_v1_dot_worker__pb2.WorkerMessage.SerializeToString,
-            protos_dot_speculation_dot_v1_dot_plan__pb2.ControllerMessage.FromString,
+            speculation_dot_v1_dot_worker__pb2.WorkerMessage.SerializeToString,
+            speculation_dot_v1_dot_plan__pb2.ControllerMessage.FromString,
             options,
             channel_credentials,
             insecure,
@@ -212,8 +224,8 @@ class SpeculationController:
             request,
             target,
             '/speculation.v1.SpeculationController/Decide',
-            protos_dot_speculation_dot_v1_dot_controller__pb2.DecideRequest.SerializeToString,
-            protos_dot_speculation_dot_v1_dot_controller__pb2.DecideResponse.FromString,
+            speculation_dot_v1_dot_controller__pb2.DecideRequest.SerializeToString,
+            speculation_dot_v1_dot_controller__pb2.DecideResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -239,8 +251,8 @@ class SpeculationController:
             request,
             target,
             '/speculation.v1.SpeculationController/GetStatus',
-            protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusRequest.SerializeToString,
-            protos_dot_speculation_dot_v1_dot_controller__pb2.GetStatusResponse.FromString,
+            speculation_dot_v1_dot_controller__pb2.GetStatusRequest.SerializeToString,
+            speculation_dot_v1_dot_controller__pb2.GetStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -266,8 +278,8 @@ class SpeculationController:
             request,
             target,
             '/speculation.v1.SpeculationController/WatchAlerts',
-            protos_dot_speculation_dot_v1_dot_controller__pb2.WatchAlertsRequest.SerializeToString,
-            protos_dot_speculation_dot_v1_dot_controller__pb2.DriftAlert.FromString,
+            speculation_dot_v1_dot_controller__pb2.WatchAlertsRequest.SerializeToString,
+            speculation_dot_v1_dot_controller__pb2.DriftAlert.FromString,
             options,
             channel_credentials,
             insecure,
@@ -293,8 +305,8 @@ class SpeculationController:
             request,
             target,
             '/speculation.v1.SpeculationController/AckAlert',
-            protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertRequest.SerializeToString,
-            protos_dot_speculation_dot_v1_dot_controller__pb2.AckAlertResponse.FromString,
+            speculation_dot_v1_dot_controller__pb2.AckAlertRequest.SerializeToString,
+            speculation_dot_v1_dot_controller__pb2.AckAlertResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -320,8 +332,8 @@ class SpeculationController:
             request,
             target,
             '/speculation.v1.SpeculationController/ReloadPolicy',
-            protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
-            protos_dot_speculation_dot_v1_dot_controller__pb2.ReloadPolicyResponse.FromString,
+            speculation_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
+            speculation_dot_v1_dot_controller__pb2.ReloadPolicyResponse.FromString,
             options,
             channel_credentials,
             insecure,

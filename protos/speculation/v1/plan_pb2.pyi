@@ -88,12 +88,22 @@ class Rejection(_message.Message):
     step_id: int
     def __init__(self, reason: _Optional[_Union[RejectReason, str]] = ..., field: _Optional[str] = ..., detail: _Optional[str] = ..., step_id: _Optional[int] = ...) -> None: ...
 
+class TelemetryReceipt(_message.Message):
+    __slots__ = ("last_step_id", "steps_received")
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    last_step_id: int
+    steps_received: int
+    def __init__(self, last_step_id: _Optional[int] = ..., steps_received: _Optional[int] = ...) -> None: ...
+
 class ControllerMessage(_message.Message):
-    __slots__ = ("plan", "request_decisions", "rejection")
+    __slots__ = ("plan", "request_decisions", "rejection", "receipt")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     REQUEST_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     REJECTION_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     request_decisions: RequestDecisions
     rejection: Rejection
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., request_decisions: _Optional[_Union[RequestDecisions, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ...) -> None: ...
+    receipt: TelemetryReceipt
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., request_decisions: _Optional[_Union[RequestDecisions, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., receipt: _Optional[_Union[TelemetryReceipt, _Mapping]] = ...) -> None: ...

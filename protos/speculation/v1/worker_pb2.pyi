@@ -66,7 +66,7 @@ class Hardware(_message.Message):
     def __init__(self, accelerator: _Optional[str] = ..., count: _Optional[int] = ..., memory_bandwidth_gb_s: _Optional[float] = ..., peak_tflops: _Optional[float] = ..., weight_bytes: _Optional[float] = ..., kv_bytes_per_token: _Optional[float] = ..., params: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "engine", "model", "hardware", "drafter", "max_batch_size", "current_plan_version", "verify_layout", "calibration")
+    __slots__ = ("worker_id", "engine", "model", "hardware", "drafter", "max_batch_size", "current_plan_version", "verify_layout", "calibration", "telemetry_loss")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class Hello(_message.Message):
     CURRENT_PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERIFY_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_LOSS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     engine: str
     model: str
@@ -85,7 +86,18 @@ class Hello(_message.Message):
     current_plan_version: int
     verify_layout: VerifyLayout
     calibration: _containers.RepeatedCompositeFieldContainer[VerifySample]
-    def __init__(self, worker_id: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., drafter: _Optional[_Union[Drafter, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., current_plan_version: _Optional[int] = ..., verify_layout: _Optional[_Union[VerifyLayout, str]] = ..., calibration: _Optional[_Iterable[_Union[VerifySample, _Mapping]]] = ...) -> None: ...
+    telemetry_loss: TelemetryLoss
+    def __init__(self, worker_id: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., drafter: _Optional[_Union[Drafter, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., current_plan_version: _Optional[int] = ..., verify_layout: _Optional[_Union[VerifyLayout, str]] = ..., calibration: _Optional[_Iterable[_Union[VerifySample, _Mapping]]] = ..., telemetry_loss: _Optional[_Union[TelemetryLoss, _Mapping]] = ...) -> None: ...
+
+class TelemetryLoss(_message.Message):
+    __slots__ = ("steps_dropped", "steps_unconfirmed", "finished_dropped")
+    STEPS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_UNCONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    steps_dropped: int
+    steps_unconfirmed: int
+    finished_dropped: int
+    def __init__(self, steps_dropped: _Optional[int] = ..., steps_unconfirmed: _Optional[int] = ..., finished_dropped: _Optional[int] = ...) -> None: ...
 
 class VerifySample(_message.Message):
     __slots__ = ("batch_size", "batch_tokens", "kv_tokens", "verify_ms", "repeats")
