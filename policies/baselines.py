@@ -1,4 +1,4 @@
-"""Baselines: policies that behave exactly like today's engines (design.md §4).
+"""Baselines: policies that behave exactly like today's engines (docs/design.md §4).
 
 Each policy mirrors one engine's run-time adaptation rule, read from the
 engine's source, so a benchmark compares the controller against what an
@@ -332,7 +332,7 @@ class TrtllmGatePolicy(TrtllmConcurrencyPolicy):
     """TensorRT-LLM permanent acceptance gate (``SpeculationGate``).
 
     Mirrors ``acceptance_rate_window_size`` + ``acceptance_rate_threshold``
-    with the semantics in design.md §4: the value recorded per finished
+    with the semantics in docs/design.md §4: the value recorded per finished
     request is its accepted draft tokens per decoding iteration
     (``avg_decoded_tokens_per_iter - 1``, here
     :attr:`~policies.base.FinishedRequest.accepted_per_step`), in finish order.

@@ -1,4 +1,4 @@
-"""Drift detection on acceptance (design.md §5, issue 5).
+"""Drift detection on acceptance (docs/design.md §5, issue 5).
 
 Detectors follow river's contract (``update(x) -> self``, ``drift_detected``)
 and calibrate their thresholds to an expected run time without drift (ERT)

@@ -126,7 +126,7 @@ def trials(bins: np.ndarray) -> np.ndarray:
 
 
 def expected_chain_tau(alpha: np.ndarray, depth: int) -> float:
-    """``E[τ | chain of depth d] = Σ_{k≤d} Π_{j≤k} α_j`` (design.md §3).
+    """``E[τ | chain of depth d] = Σ_{k≤d} Π_{j≤k} α_j`` (docs/design.md §3).
 
     >>> round(expected_chain_tau(np.array([0.8, 0.8, 0.8]), 3), 3)
     1.952

@@ -1,6 +1,6 @@
 """``AcceptanceDriftMonitor``: tell "context got longer" from "the content moved".
 
-Acceptance falls for three reasons (design.md §5) and only one of them means
+Acceptance falls for three reasons (docs/design.md §5) and only one of them means
 "retrain the draft heads":
 
 1. the context-length mix moved — acceptance decays with context (position

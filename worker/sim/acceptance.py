@@ -5,7 +5,7 @@ the drafter's confidence), ``q[k, r]`` is the probability that the target
 accepts the rank-``r`` candidate, given positions ``< k`` were accepted.
 Candidates are mutually exclusive, so ``Σ_r q[k, r] ≤ 1`` and the remainder is
 the chance that no candidate of that level is accepted. ``q[k, 1]`` is the
-per-position acceptance ``α_k`` of a chain (design.md §2).
+per-position acceptance ``α_k`` of a chain (docs/design.md §2).
 
 Short-context rows come from a drafter profile::
 
@@ -26,7 +26,7 @@ so lower ranks get geometrically less. Every row is then multiplied by
 
 and rows whose sum would pass ``row_cap`` are scaled down to it.
 
-Profiles (design.md §6):
+Profiles (docs/design.md §6):
 
 - ``eagle``: ``α_k = 0.80 * 0.97 ** (k - 1)`` (EAGLE's reported 0-α ≈ 0.79 and
   slowly falling n-α), ``rank_ratio`` 0.1, ``rank_decay`` 0.5 (top-4 covers
@@ -224,7 +224,7 @@ class AcceptanceModel:
 
 
 def expected_chain_accepted(alpha: Sequence[float], depth: int | None = None) -> float:
-    """``E[τ | d] = Σ_{k ≤ d} Π_{j ≤ k} α_j`` (design.md §3).
+    """``E[τ | d] = Σ_{k ≤ d} Π_{j ≤ k} α_j`` (docs/design.md §3).
 
     >>> round(expected_chain_accepted([0.5, 0.5]), 3)
     0.75

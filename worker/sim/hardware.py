@@ -12,7 +12,7 @@ with ``batch_tokens = Σ_i (1 + nodes_i)`` (tokens the forward processes),
 attention flops term, ``4 * n_layers * q_dim`` per pair, is small unless
 contexts are long *and* trees are wide).
 
-The defaults give the three regimes of design.md §3 / seed 000 §05:
+The defaults give the three regimes of docs/design.md §3 / seed 000 §05:
 
 - small batch: weights dominate the bytes, so verifying ``k + 1`` tokens
   costs about one token (speculate deep);
@@ -24,7 +24,7 @@ The defaults give the three regimes of design.md §3 / seed 000 §05:
 Drafting (see :class:`DraftCostProfile`): EAGLE runs ``depth`` sequential
 forwards of a one-layer head; Medusa runs one pass of its heads.
 
-Default numbers (design.md §6): H100-SXM 3.35 TB/s, 989 TFLOP/s dense bf16,
+Default numbers (docs/design.md §6): H100-SXM 3.35 TB/s, 989 TFLOP/s dense bf16,
 80 GB; H200 4.8 TB/s, 989 TFLOP/s, 141 GB; Llama-3-8B 16 GB bf16 weights,
 8e9 params, 128 KiB KV per token (2 x 32 layers x 8 KV heads x 128 x 2 B).
 ``efficiency = 0.35`` is the fraction of dense peak that decode-shaped GEMMs
