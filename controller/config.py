@@ -13,7 +13,7 @@ from typing import Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from controller.http import parse_host_port
+from controller.observe.http import parse_host_port
 from policies.table import DEFAULT_BATCH_EDGES, DEFAULT_CONTEXT_EDGES, validate_edges
 
 

@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from controller.acceptance import AcceptanceModel, AcceptancePrior, expected_chain_accepted, offer_slots
+from controller.models.acceptance import AcceptanceModel, AcceptancePrior, expected_chain_accepted, offer_slots
 from controller.config import ServerConfig
-from controller.cost import CostParams, StepCostModel
+from controller.models.cost import CostParams, StepCostModel
 from controller.protocol import (
     MAX_BATCH_SIZE,
     Invalid,

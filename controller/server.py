@@ -2,7 +2,7 @@
 
 Health checking and server reflection (v1 and v1alpha) are on; the policy file is watched
 and reloaded on change or SIGHUP. The drift monitor runs in the housekeeping
-tick (``controller.alerting``); SIGTERM stops gracefully, saving its baselines.
+tick (``controller.alerts.alerting``); SIGTERM stops gracefully, saving its baselines.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from controller.alerting import DriftAlerting
+from controller.alerts.alerting import DriftAlerting
 from controller.auth import Authenticator
 from controller.config import ServerConfig, TlsSettings
 from controller.core import Controller
-from controller.recorder import TelemetryRecorder
+from controller.observe.recorder import TelemetryRecorder
 from controller.reflection import enable_reflection
 from controller.reload import PolicySource
 from controller.service import SERVICE_NAME, SpeculationControllerServicer, rpc_handlers
-from controller.web import StatusSite
+from controller.observe.web import StatusSite
 from policies.presets import load_preset
 
 log = logging.getLogger("specctl.server")

@@ -22,8 +22,8 @@ from typing import AsyncIterator
 
 import grpc
 
-from controller.alerting import WatcherOverflow
-from controller.alerts_proto import EXISTING_ALERTS_METADATA, alert_to_proto
+from controller.alerts.alerting import WatcherOverflow
+from controller.alerts.proto import EXISTING_ALERTS_METADATA, alert_to_proto
 from controller.auth import Authenticator, Identity, current_identity, guard_handlers
 from controller.core import Controller, WorkerState
 from controller.protocol import MAX_BATCH_SIZE, MAX_CONTEXT_LEN, Invalid, R, decision_to_proto
@@ -100,8 +100,8 @@ class SpeculationControllerServicer:
         self.controller = controller
         self.auth = authenticator or Authenticator(None)  # off unless the config has security.auth
         self.streams: dict[str, Stream] = {}
-        self.recorder = None  # controller.recorder.TelemetryRecorder when serving with --record
-        self.alerting = None  # controller.alerting.DriftAlerting unless drift.enabled is false
+        self.recorder = None  # controller.observe.recorder.TelemetryRecorder when serving with --record
+        self.alerting = None  # controller.alerts.alerting.DriftAlerting unless drift.enabled is false
         self.policy_source = None  # controller.reload.PolicySource of the server
         self._next_stream = 0
         controller.on_hello.append(self._rebind_stream)

@@ -22,10 +22,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from controller.alerts_proto import EXISTING_ALERTS_METADATA, alert_from_proto, event_name
+from controller.alerts.proto import EXISTING_ALERTS_METADATA, alert_from_proto, event_name
 from controller.protocol import DRAFTER_KIND_NAMES
 from protos.speculation.v1 import controller_pb2, controller_pb2_grpc
-from worker.security import ClientSecurity, ClientSecurityError, add_client_security_args
+from worker.sdk.security import ClientSecurity, ClientSecurityError, add_client_security_args
 
 
 COLUMNS = ("id", "status", "action", "severity", "drafter", "stratum", "E[τ]", "detector", "opened", "resolved")

@@ -26,7 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.record:
         config = config.model_copy(update={"record": args.record})
     if args.metrics_listen:
-        from controller.http import parse_host_port
+        from controller.observe.http import parse_host_port
 
         try:
             parse_host_port(args.metrics_listen, "--metrics-listen")
@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"specctl serve: {err}", file=sys.stderr)
             return 2
         config = config.model_copy(update={"metrics_listen": args.metrics_listen})
-    from controller.store import StoreError
+    from controller.alerts.store import StoreError
 
     try:
         asyncio.run(serve_forever(config, args.listen))
@@ -56,13 +56,13 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"report: {path}")
         return 0
     if args.real:
-        from worker.demo_real import run_real_demo
+        from specctl.demo_real import run_real_demo
 
         return run_real_demo(duration_s=args.duration, policy=args.policy, drafter=args.drafter)
     from specctl.demo import StatusPageError, run_demo
 
     if args.status_listen:
-        from controller.http import parse_host_port
+        from controller.observe.http import parse_host_port
 
         try:
             parse_host_port(args.status_listen, "--status-listen")
@@ -110,7 +110,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         return run_soak_bench(out_dir=args.out, workers=args.soak_workers, requests=args.requests)
     if args.what == "engine":
-        from worker.cli import bench_engine
+        from specctl.worker_cli import bench_engine
 
         return bench_engine(args)
     print(f"specctl bench: unknown benchmark {args.what!r}", file=sys.stderr)
@@ -132,7 +132,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from specctl.status import print_status
-    from worker.security import ClientSecurity, ClientSecurityError
+    from worker.sdk.security import ClientSecurity, ClientSecurityError
 
     try:
         security = ClientSecurity.from_args(args)
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     pol = bench.add_argument_group("policies", "options of `bench policies`")
     pol.add_argument("--quick", action="store_true", help="the shortened suite (CI): clocks x0.04, one replica per worker kind, coarse grid")
     pol.add_argument("--scenario", action="append", metavar="FILE",
-                     help="scenario file or shipped name (repeatable; default: bench/scenarios/* but the demo)")
+                     help="scenario file or shipped name (repeatable; default: worker/sim/scenarios/* but the demo)")
     pol.add_argument("--policies", nargs="+", metavar="PRESET", help="presets to run (default: all shipped)")
     pol.add_argument("--jobs", type=int, help="parallel processes (default: CPU count)")
     pol.add_argument("--delay-steps", type=int, default=2, help="plan delivery delay in worker steps (default 2)")
@@ -193,12 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--rounds", type=int, default=3, help="faults: alternations of the two phases")
     faults.add_argument("--soak-workers", type=int, default=200, help="soak: simulated workers")
     faults.add_argument("--requests", type=int, default=100_000, help="soak: requests to churn")
-    from worker.cli import add_bench_engine_options
+    from specctl.worker_cli import add_bench_engine_options
 
     add_bench_engine_options(bench)
     bench.set_defaults(func=_bench)
 
-    from worker.cli import add_worker_commands  # train-heads, worker, load (the reference worker)
+    from specctl.worker_cli import add_worker_commands  # train-heads, worker, load (the reference worker)
 
     add_worker_commands(sub)
 
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true",
                         help="print the GetStatus answer as one JSON document (proto field names) instead of tables")
     from specctl.tokens import add_token_command
-    from worker.security import add_client_security_args
+    from worker.sdk.security import add_client_security_args
 
     add_client_security_args(status)
     status.set_defaults(func=_status)

@@ -24,11 +24,11 @@ from rich.live import Live
 from rich.table import Table
 
 from controller.config import ServerConfig, StoreSettings
-from controller.http import parse_host_port
+from controller.observe.http import parse_host_port
 from controller.server import start_server
 from policies.presets import load_preset
 from policies.table import Decision
-from worker.agent import AgentOptions, SpeculationAgent
+from worker.sdk.agent import AgentOptions, SpeculationAgent
 from worker.sim.hello import hello_proto
 from worker.sim.runner import run_fleet_simulated, run_realtime
 from worker.sim.scenario import load_scenario

@@ -113,11 +113,11 @@ class _AlertLog:
 
 
 class _Traffic:
-    """Closed-loop clients on the worker's HTTP endpoint (``worker.load.run_phase``);
+    """Closed-loop clients on the worker's HTTP endpoint (``worker.reference.load.run_phase``);
     the mix changes by swapping the contents of the prompt pool they draw from."""
 
     def __init__(self, address: str, concurrency: int, max_new_tokens: int) -> None:
-        from worker.load import LoadStats, run_phase
+        from worker.reference.load import LoadStats, run_phase
 
         self.pool: list = []
         self.stats = LoadStats()
@@ -154,9 +154,9 @@ def run_retrain_loop(cfg: LoopConfig, say: Callable[[str], None] = print) -> dic
     from controller.background import BackgroundController
     from controller.config import ServerConfig
     from protos.speculation.v1 import controller_pb2
-    from worker.threads import set_threads
-    from worker.prompts import load_prompts
-    from worker.server import WorkerOptions, load_worker
+    from worker.reference.threads import set_threads
+    from worker.reference.prompts import load_prompts
+    from worker.reference.server import WorkerOptions, load_worker
 
     set_threads(cfg.threads)
     work = Path(cfg.work_dir)
@@ -244,8 +244,8 @@ def run_retrain_loop(cfg: LoopConfig, say: Callable[[str], None] = print) -> dic
 
 def _first_heads(cfg: LoopConfig, heads_dir: Path, say: Callable[[str], None]):
     """Heads trained on the first mix only (reused when ``heads_dir`` already holds such heads)."""
-    from worker.heads import TrainConfig, train_heads
-    from worker.heads.store import HeadsBundle
+    from worker.reference.heads import TrainConfig, train_heads
+    from worker.reference.heads.store import HeadsBundle
 
     if HeadsBundle.exists(heads_dir, cfg.drafter):
         bundle = HeadsBundle.load(heads_dir, cfg.drafter)

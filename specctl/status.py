@@ -12,17 +12,9 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from controller.cost import CostParams
+from controller.client import cost_params, fetch_status
 from protos.speculation.v1 import controller_pb2, controller_pb2_grpc, plan_pb2, worker_pb2
-from worker.security import ClientSecurity
-
-
-def fetch_status(target: str, worker_id: str = "", timeout: float = 5.0,
-                 security: ClientSecurity = ClientSecurity()) -> controller_pb2.GetStatusResponse:
-    with security.channel(target) as channel:
-        stub = controller_pb2_grpc.SpeculationControllerStub(channel)
-        return stub.GetStatus(controller_pb2.GetStatusRequest(worker_id=worker_id), timeout=timeout,
-                              metadata=security.metadata())
+from worker.sdk.security import ClientSecurity
 
 
 def plan_summary(plan: plan_pb2.Plan, context_len: float) -> str:
@@ -44,16 +36,6 @@ def plan_summary(plan: plan_pb2.Plan, context_len: float) -> str:
             runs.append(f"b{edges[start]}{upper}: {cells[start]}")
             start = b
     return " · ".join(runs)
-
-
-def cost_params(c: controller_pb2.CostModel) -> CostParams:
-    """The fitted cost model of a ``GetStatus`` answer, as the controller holds it."""
-    return CostParams(mem_ms=c.mem_ms, mem_ms_per_kv_token=c.mem_ms_per_kv_token, compute_ms=c.compute_ms,
-                      compute_ms_per_token=c.compute_ms_per_token, compute_ms_per_pair=c.compute_ms_per_pair,
-                      compute_knots=tuple(c.compute_knots), compute_rise_ms=tuple(c.compute_rise_ms),
-                      draft_fixed_ms=c.draft_fixed_ms, draft_ms_per_level=c.draft_ms_per_level,
-                      draft_ms_per_node=c.draft_ms_per_node, draft_ms_per_level_kv_token=c.draft_ms_per_level_kv_token,
-                      catch_up_ms_per_token=c.catch_up_ms_per_token)
 
 
 def compute_plane(c: controller_pb2.CostModel) -> str:

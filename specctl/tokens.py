@@ -1,5 +1,5 @@
 """``specctl token new``: bearer tokens for workers and admins. (The client
-side of TLS and tokens, for the CLI and workers, is ``worker.security``.)
+side of TLS and tokens, for the CLI and workers, is ``worker.sdk.security``.)
 
 A token is 32 random bytes (URL-safe base64). The controller's config keeps
 only its SHA-256 digest, so the config file is no secret; the token itself is

@@ -11,9 +11,9 @@ from typing import Callable
 
 import numpy as np
 
-from controller.cost import CostParams
+from controller.models.cost import CostParams
 from protos.speculation.v1 import worker_pb2
-from worker.telemetry import RequestTelemetry, StepTelemetry
+from worker.sdk.telemetry import RequestTelemetry, StepTelemetry
 
 # A GPU-like truth: ~10 ms weight read, compute-bound above ~170-220 batch tokens.
 TRUTH = CostParams(mem_ms=10.0, mem_ms_per_kv_token=2.5e-5, compute_ms=0.0, compute_ms_per_token=0.06,

@@ -4,8 +4,8 @@ NACK), overrides, and the bounded telemetry queue."""
 from policies.table import Decision
 from protos.speculation.v1 import plan_pb2
 from tests.support import make_hello
-from worker.agent import AgentOptions, SpeculationAgent, compile_plan, step_to_proto
-from worker.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
+from worker.sdk.agent import AgentOptions, SpeculationAgent, compile_plan, step_to_proto
+from worker.sdk.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
 
 
 def plan(version: int, depth: int = 3, width: int = 1, nodes: int = 3) -> plan_pb2.Plan:

@@ -15,8 +15,8 @@ from controller.config import PlanSettings, ServerConfig
 from controller.server import start_server
 from protos.speculation.v1 import worker_pb2
 from tests.support import free_port, make_hello, wait_for
-from worker.agent import AgentOptions, SpeculationAgent
-from worker.telemetry import RequestTelemetry, StepTelemetry
+from worker.sdk.agent import AgentOptions, SpeculationAgent
+from worker.sdk.telemetry import RequestTelemetry, StepTelemetry
 
 PLAN = PlanSettings(recompute_interval_s=0.05, min_push_interval_s=0.05)
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from controller.alerting import DriftAlerting, MonitorFeed, WatcherOverflow, is_sampled
+from controller.alerts.alerting import DriftAlerting, MonitorFeed, WatcherOverflow, is_sampled
 from controller.drift import AcceptanceDriftMonitor
-from controller.sinks import LogSink
-from controller.store import StateStore
+from controller.alerts.sinks import LogSink
+from controller.alerts.store import StateStore
 from tests.test_drift_monitor import FAST
 from tests.test_store import make_alert
 

@@ -25,17 +25,17 @@ import controller.config
 
 from controller.config import (AlertSettings, CommandSettings, ConfigError, DriftSettings, PlanSettings,
                                ServerConfig, StoreSettings, WebhookSettings, load_config)
-from controller.alerts_proto import EXISTING_ALERTS_METADATA
+from controller.alerts.proto import EXISTING_ALERTS_METADATA
 from controller.drift import AcceptanceDriftMonitor, Action
 from controller.server import RunningServer, start_server
-from controller.store import StateStore
+from controller.alerts.store import StateStore
 from policies.presets import PRESET_DIR
 from policies.table import Decision
 from protos.speculation.v1 import controller_pb2, controller_pb2_grpc, worker_pb2
 from tests.support import SyntheticWorker, free_port, make_hello, wait_for
 from tests.test_drift_monitor import FAST, custom_stream, feed
 from tests.test_sinks import RECORDER, Hook
-from worker.agent import AgentOptions, SpeculationAgent
+from worker.sdk.agent import AgentOptions, SpeculationAgent
 
 E = controller_pb2.AlertEvent
 DRIFTED = "ctx[1024,2048)"

@@ -1,4 +1,4 @@
-"""Grouped-query attention without KV-head copies (``worker.engine.attention``):
+"""Grouped-query attention without KV-head copies (``worker.reference.engine.attention``):
 the function against transformers' own SDPA path on the shapes an engine
 runs, the model switch, and greedy decoding through the engine on it."""
 
@@ -9,10 +9,10 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from policies.table import Decision
-from worker.drafters.ngram import NgramDrafter
-from worker.engine.attention import GROUPED_SDPA, grouped_sdpa_forward, use_grouped_attention
-from worker.engine.engine import Engine, static_decide
-from worker.models import tiny_llama
+from worker.reference.drafters.ngram import NgramDrafter
+from worker.reference.engine.attention import GROUPED_SDPA, grouped_sdpa_forward, use_grouped_attention
+from worker.reference.engine.engine import Engine, static_decide
+from worker.reference.models import tiny_llama
 
 
 class _Attn(torch.nn.Module):

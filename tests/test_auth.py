@@ -30,8 +30,8 @@ from protos.speculation.v1 import controller_pb2, controller_pb2_grpc, worker_pb
 from specctl import cli
 from specctl.tokens import new_token
 from tests.support import SyntheticWorker, free_port, make_hello, wait_for
-from worker.agent import AgentOptions, SpeculationAgent, step_to_proto
-from worker.security import ClientSecurity, add_client_security_args
+from worker.sdk.agent import AgentOptions, SpeculationAgent, step_to_proto
+from worker.sdk.security import ClientSecurity, add_client_security_args
 
 W1_TOKEN, W2_TOKEN, ADMIN_TOKEN = new_token(), new_token(), new_token()
 TOKENS = (W1_TOKEN, W2_TOKEN, ADMIN_TOKEN)
@@ -454,10 +454,10 @@ async def test_reference_worker_follows_a_controller_over_mutual_tls_with_its_to
     with no token it is refused and keeps decoding on its fallback."""
     import torch
 
-    from worker.drafters.ngram import NgramDrafter
-    from worker.load import generate_request
-    from worker.models import tiny_llama
-    from worker.server import ReferenceWorker, WorkerOptions
+    from worker.reference.drafters.ngram import NgramDrafter
+    from worker.reference.load import generate_request
+    from worker.reference.models import tiny_llama
+    from worker.reference.server import ReferenceWorker, WorkerOptions
 
     torch.set_num_threads(1)
     model, vocab = tiny_llama(seed=0)

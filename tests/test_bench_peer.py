@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.engine import _SteppedGenerate
-from worker.models import tiny_llama
+from worker.reference.models import tiny_llama
 
 pytestmark = pytest.mark.model
 
@@ -67,8 +67,8 @@ def test_closing_a_peer_mid_run_stops_it_at_its_next_forward():
 def test_engine_runner_takes_one_engine_step_per_turn_in_a_thread_of_its_own():
     from bench.engine import _SteppedEngine
     from policies.table import Decision
-    from worker.drafters.ngram import NgramDrafter
-    from worker.engine.engine import Engine, static_decide
+    from worker.reference.drafters.ngram import NgramDrafter
+    from worker.reference.engine.engine import Engine, static_decide
 
     model, vocab = tiny_llama(seed=6)
     g = torch.Generator().manual_seed(7)
@@ -100,8 +100,8 @@ def test_engine_runner_takes_one_engine_step_per_turn_in_a_thread_of_its_own():
 
 def test_a_failing_engine_step_surfaces_in_the_driver_with_the_runner_named():
     from bench.engine import _SteppedEngine
-    from worker.drafters.ngram import NgramDrafter
-    from worker.engine.engine import Engine
+    from worker.reference.drafters.ngram import NgramDrafter
+    from worker.reference.engine.engine import Engine
 
     def decide(request_id, context_len, batch_size):
         raise ValueError("policy exploded")

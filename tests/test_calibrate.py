@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine.calibrate import calibrate_verify, calibration_grid
-from worker.models import tiny_llama
+from worker.reference.engine.calibrate import calibrate_verify, calibration_grid
+from worker.reference.models import tiny_llama
 
 
 def test_every_shape_of_the_grid_is_timed_through_the_engine():

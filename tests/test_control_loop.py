@@ -16,7 +16,7 @@ from policies.presets import PRESET_DIR
 from policies.table import Decision
 from protos.speculation.v1 import controller_pb2, controller_pb2_grpc, plan_pb2, worker_pb2
 from tests.support import SyntheticWorker, free_port, make_hello, wait_for
-from worker.agent import AgentOptions, SpeculationAgent
+from worker.sdk.agent import AgentOptions, SpeculationAgent
 
 FAST = PlanSettings(recompute_interval_s=0.05, min_push_interval_s=0.05, hysteresis=0.0)
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.acceptance import offer_slots
+from controller.models.acceptance import offer_slots
 from controller.config import PlanSettings, ServerConfig
 from controller.core import Controller
-from controller.cost import CostParams, StepCostModel
+from controller.models.cost import CostParams, StepCostModel
 from policies.presets import load_preset
 from tests.support import SyntheticWorker, make_hello
-from worker.agent import compile_plan, step_to_proto
+from worker.sdk.agent import compile_plan, step_to_proto
 from worker.sim.hardware import CostModel
 from policies.table import Decision, DecisionTable, bucket_index
 from protos.speculation.v1 import plan_pb2, worker_pb2

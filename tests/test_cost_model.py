@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.cost import CostParams, StepCostModel
+from controller.models.cost import CostParams, StepCostModel
 from tests.support import TRUTH
 from worker.sim.hardware import CostModel
 
@@ -164,7 +164,7 @@ def test_a_cpu_where_every_token_costs_is_not_fitted_as_one_flat_memory_plane():
     import json
     from pathlib import Path
 
-    from controller.cost import fit_max_planes
+    from controller.models.cost import fit_max_planes
 
     cells = json.loads((Path(__file__).parent / "data" / "eagle_xeon_verify_cells.json").read_text())
     arrays = {k: np.array(cells[k], dtype=float) for k in

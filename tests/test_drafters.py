@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from policies.table import Decision
-from worker.drafters.base import CatchUp, DraftContext, Drafter, DraftTree, best_first_tree
-from worker.drafters.eagle import EagleDrafter
-from worker.drafters.medusa import MedusaDrafter
-from worker.drafters.ngram import NgramDrafter
-from worker.drafters.oracle import OracleDrafter
-from worker.heads.modules import EagleHead
-from worker.heads.store import HeadsBundle
-from worker.models import tiny_llama
+from worker.reference.drafters.base import CatchUp, DraftContext, Drafter, DraftTree, best_first_tree
+from worker.reference.drafters.eagle import EagleDrafter
+from worker.reference.drafters.medusa import MedusaDrafter
+from worker.reference.drafters.ngram import NgramDrafter
+from worker.reference.drafters.oracle import OracleDrafter
+from worker.reference.heads.modules import EagleHead
+from worker.reference.heads.store import HeadsBundle
+from worker.reference.models import tiny_llama
 
 
 def _check_shape(tree: DraftTree, d: Decision) -> None:
@@ -217,7 +217,7 @@ def test_eagle_catch_up_leaves_only_new_pairs_to_the_first_draft(tiny):
 
 
 def test_medusa_head_is_residual_block_then_projection():
-    from worker.heads.modules import MedusaHeads
+    from worker.reference.heads.modules import MedusaHeads
 
     torch.manual_seed(0)
     m = MedusaHeads(8, 2)
@@ -237,7 +237,7 @@ def test_eagle_layer_equals_the_targets_decoder_layer():
     transformers' Llama layer does: RoPE at the given positions, grouped-query
     attention (4 query heads on 2 KV heads here), causal over a fresh block and
     over cached keys plus a new block."""
-    from worker.heads.modules import init_layer_from_target
+    from worker.reference.heads.modules import init_layer_from_target
 
     model, _ = tiny_llama(seed=3)
     head = EagleHead(**EagleHead.config_from_target(model.config)).eval()

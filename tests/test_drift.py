@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.acceptance import AcceptancePrior, StratumPosterior
+from controller.models.acceptance import AcceptancePrior, StratumPosterior
 from controller.drift import CUSUM, AcceptLengthChiSquare, HistogramChiSquare, MonitorConfig, benjamini_hochberg, holm
 from controller.drift.calibration import cusum_threshold, lundberg_exponent
 from controller.drift.cells import chain_key, key_bins, outcome_key
@@ -41,7 +41,7 @@ def test_cusum_needs_a_threshold_or_an_ert() -> None:
 
 
 def test_cells_match_the_acceptance_model_censoring() -> None:
-    """key_bins counts the same (position, rank) trials as controller.acceptance."""
+    """key_bins counts the same (position, rank) trials as controller.models.acceptance."""
     rng = np.random.default_rng(0)
     depth, width = 5, 3
     posterior = StratumPosterior(depth, width, AcceptancePrior(), 0.0)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from policies.table import Decision
-from worker.drafters.eagle import EagleDrafter
-from worker.engine.engine import Engine, static_decide
-from worker.heads.modules import EagleHead
-from worker.heads.store import HeadsBundle
-from worker.heads.train import eagle_passes
-from worker.models import tiny_llama
+from worker.reference.drafters.eagle import EagleDrafter
+from worker.reference.engine.engine import Engine, static_decide
+from worker.reference.heads.modules import EagleHead
+from worker.reference.heads.store import HeadsBundle
+from worker.reference.heads.train import eagle_passes
+from worker.reference.models import tiny_llama
 
 
 @pytest.mark.parametrize("depth", [1, 3])

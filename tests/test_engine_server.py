@@ -16,11 +16,11 @@ from controller.config import PlanSettings, ServerConfig
 from controller.server import start_server
 from policies.table import Decision
 from tests.support import free_port, wait_for
-from worker.drafters.ngram import NgramDrafter
-from worker.load import LoadStats, generate_request, run_phase
-from worker.models import tiny_llama
-from worker.prompts import Prompt
-from worker.server import ReferenceWorker, WorkerOptions, make_hello, parse_static
+from worker.reference.drafters.ngram import NgramDrafter
+from worker.reference.load import LoadStats, generate_request, run_phase
+from worker.reference.models import tiny_llama
+from worker.reference.prompts import Prompt
+from worker.reference.server import ReferenceWorker, WorkerOptions, make_hello, parse_static
 
 
 @pytest.fixture(scope="module")

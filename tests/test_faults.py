@@ -23,10 +23,10 @@ from controller.core import MAX_PENDING
 from controller.server import start_server
 from policies.table import Decision
 from protos.speculation.v1 import controller_pb2, controller_pb2_grpc
-from specctl.status import fetch_status
+from controller.client import fetch_status
 from tests.support import SyntheticWorker, free_port, make_hello, wait_for
 from tests.test_drift_monitor import FAST as FAST_DRIFT
-from worker.agent import AgentOptions, SpeculationAgent
+from worker.sdk.agent import AgentOptions, SpeculationAgent
 
 FAST_PLANS = PlanSettings(recompute_interval_s=0.05, min_push_interval_s=0.05, hysteresis=0.0, tick_s=0.01)
 
@@ -124,7 +124,7 @@ async def wait_serving(target: str, proc: subprocess.Popen) -> None:
 
 async def existing_alerts(target: str) -> list[controller_pb2.DriftAlert]:
     """The alerts a new WatchAlerts stream starts with (the controller's open alerts)."""
-    from controller.alerts_proto import EXISTING_ALERTS_METADATA
+    from controller.alerts.proto import EXISTING_ALERTS_METADATA
 
     async with grpc.aio.insecure_channel(target) as channel:
         call = controller_pb2_grpc.SpeculationControllerStub(channel).WatchAlerts(

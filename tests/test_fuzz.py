@@ -41,7 +41,7 @@ from controller.config import PlanSettings, ServerConfig
 from controller.server import start_server
 from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
 from tests.support import SyntheticWorker, free_port, make_hello, wait_for
-from worker.agent import SpeculationAgent
+from worker.sdk.agent import SpeculationAgent
 
 CALL_TIMEOUT_S = 20.0  # generous: CI shares 2 cores; a hang still fails
 CONNECT = "/speculation.v1.SpeculationController/Connect"

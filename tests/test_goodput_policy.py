@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.acceptance import AcceptanceModel
-from controller.cost import CostParams
+from controller.models.acceptance import AcceptanceModel
+from controller.models.cost import CostParams
 from policies.base import DrafterLimits, LoadProfile, Observation
 from policies.goodput import (
     MIN_NODE_VALUE,

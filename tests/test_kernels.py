@@ -1,4 +1,4 @@
-"""Row-count-aware linear kernels (``worker.engine.kernels``): the dispatch
+"""Row-count-aware linear kernels (``worker.reference.engine.kernels``): the dispatch
 table's properties, the layer's numerics against ``F.linear``, the cache,
 and greedy decoding through the engine on tuned layers against plain
 ``generate``."""
@@ -13,16 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from policies.table import Decision
-from worker.drafters.eagle import EagleDrafter
-from worker.drafters.oracle import OracleDrafter
-from worker.engine import kernels
-from worker.engine.engine import Engine, static_decide
-from worker.engine.kernels import (DENSE, INT8, Dispatch, ShapeTiming, StackTiming, TunedLinear, best_of,
+from worker.reference.drafters.eagle import EagleDrafter
+from worker.reference.drafters.oracle import OracleDrafter
+from worker.reference.engine import kernels
+from worker.reference.engine.engine import Engine, static_decide
+from worker.reference.engine.kernels import (DENSE, INT8, Dispatch, ShapeTiming, StackTiming, TunedLinear, best_of,
                                    bf16_available, candidates, install, int8_available, mkl_only, plan_dispatch,
                                    time_stack, tune_model)
-from worker.heads.modules import EagleHead
-from worker.heads.store import HeadsBundle
-from worker.models import tiny_llama
+from worker.reference.heads.modules import EagleHead
+from worker.reference.heads.store import HeadsBundle
+from worker.reference.models import tiny_llama
 
 pytestmark = pytest.mark.skipif(not kernels.kernels_available(), reason="torch built without oneDNN")
 
@@ -302,7 +302,7 @@ def test_a_worker_tunes_its_drafter_on_the_draft_rows_with_lossy_kernels_offered
     """``build_drafter`` on a tuned target: the heads' layers are tuned too,
     on the rows a draft level runs, lossy kernels among the candidates (this
     path raised on CPUs without AVX-512 while bf16 was offered everywhere)."""
-    from worker.server import build_drafter
+    from worker.reference.server import build_drafter
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     torch.set_num_threads(1)

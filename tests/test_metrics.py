@@ -14,15 +14,16 @@ from prometheus_client.parser import text_string_to_metric_families
 import numpy as np
 
 from controller.config import DriftSettings, PlanSettings, ServerConfig, StoreSettings
-from controller.metrics import acceptance_by_position, bucket_labels, mean_context_len
+from controller.observe.metrics import acceptance_by_position, bucket_labels, mean_context_len
 from controller.server import start_server
 from controller.protocol import plan_to_proto
 from rich.console import Console
-from specctl.status import estimated_speedup, fetch_status, plan_summary, render_status
+from controller.client import fetch_status
+from specctl.status import estimated_speedup, plan_summary, render_status
 from policies.table import Decision
 from protos.speculation.v1 import controller_pb2_grpc, plan_pb2, worker_pb2
 from tests.support import SyntheticWorker, feed, free_port, http_get, make_hello, wait_for
-from worker.agent import SpeculationAgent
+from worker.sdk.agent import SpeculationAgent
 
 FAST = PlanSettings(recompute_interval_s=0.05, min_push_interval_s=0.05, hysteresis=0.0)
 SHORT, LONG = 500, 6000  # context lengths in buckets 0-1024 and 4096-8192

@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from worker import models
-from worker.engine.tree import chain_parents, tree_buffers
-from worker.engine.verify import greedy_decode
-from worker.models import GgufSource, ModelUnavailableError, load_model, tiny_llama
+from worker.reference import models
+from worker.reference.engine.tree import chain_parents, tree_buffers
+from worker.reference.engine.verify import greedy_decode
+from worker.reference.models import GgufSource, ModelUnavailableError, load_model, tiny_llama
 
 
 def test_tiny_llama_is_deterministic_and_leaves_global_rng_alone():

@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from worker.progress import ProgressBar
+from worker.reference.progress import ProgressBar
 
 
 def test_bar_draws_its_count_and_latest_figures():

@@ -12,15 +12,15 @@ import pytest
 
 from bench.replay import censored_tau, recorded_outcome, replay_file, subtree_value
 from controller.config import PlanSettings, ServerConfig
-from controller.recorder import TelemetryRecorder, read_recording, step_from_dict, step_to_dict
+from controller.observe.recorder import TelemetryRecorder, read_recording, step_from_dict, step_to_dict
 from controller.server import start_server
 from policies.presets import load_preset_text
 from policies.table import Decision
 from protos.speculation.v1 import worker_pb2
 from tests.support import SyntheticWorker, free_port, make_hello, wait_for
-from worker.agent import SpeculationAgent
+from worker.sdk.agent import SpeculationAgent
 from worker.sim.tree import build_tree, chain_tree
-from worker.telemetry import RequestSummary
+from worker.sdk.telemetry import RequestSummary
 
 ALPHA = np.array([[0.8], [0.7], [0.6], [0.5], [0.4], [0.3]])  # chain q: one rank per position
 

@@ -13,7 +13,7 @@ from controller.config import PlanSettings, ServerConfig
 from controller.server import start_server
 from tests.support import SyntheticWorker, free_port, make_hello, wait_for
 from policies.table import Decision
-from worker.agent import AgentOptions, SpeculationAgent
+from worker.sdk.agent import AgentOptions, SpeculationAgent
 
 def chain3(request_id: str, context_len: int, batch_size: int) -> Decision:
     return Decision.chain(3)  # what the engine ran, whatever the plan: the test is about attribution
@@ -77,7 +77,7 @@ def test_reading_a_stratum_before_any_evidence_does_not_erase_the_first_evidence
     """Found with the roll test: a status read created the stratum with clock
     0, so the first forgetting tick decayed the first batch of evidence by
     decades of half-lives."""
-    from controller.acceptance import AcceptanceModel
+    from controller.models.acceptance import AcceptanceModel
 
     model = AcceptanceModel((0, 1024), half_life_s=120.0)
     model.view(("eagle", "v1"), 4, 1)  # an operator's status read, before any telemetry

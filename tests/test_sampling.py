@@ -13,11 +13,11 @@ import torch
 from scipy.stats import chisquare
 
 from policies.table import Decision
-from worker.drafters.base import DraftTree
-from worker.engine import engine as engine_module
-from worker.engine.engine import Engine, static_decide
-from worker.engine.sampling import TreeSample, sample_accept_chain, sample_accept_tree
-from worker.models import tiny_llama
+from worker.reference.drafters.base import DraftTree
+from worker.reference.engine import engine as engine_module
+from worker.reference.engine.engine import Engine, static_decide
+from worker.reference.engine.sampling import TreeSample, sample_accept_chain, sample_accept_tree
+from worker.reference.models import tiny_llama
 
 PASS = 1e-3  # a correct sampler fails this once in a thousand seeds
 FAIL = 1e-6

@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from policies.presets import PRESET_DIR
-from specctl.status import fetch_status, render_status
+from controller.client import fetch_status
+from specctl.status import render_status
 from tests.support import free_port
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="needs SIGHUP")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from controller.drift.alerts import Action
-from controller.sinks import CommandSink, LogSink, WebhookSink
+from controller.alerts.sinks import CommandSink, LogSink, WebhookSink
 from tests.support import free_port
 from tests.test_store import make_alert
 

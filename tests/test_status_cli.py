@@ -15,7 +15,7 @@ from controller.config import ServerConfig, StoreSettings
 from controller.server import start_server
 from policies.table import Decision
 from tests.support import SyntheticWorker, feed, free_port, make_hello, wait_for
-from worker.agent import SpeculationAgent
+from worker.sdk.agent import SpeculationAgent
 
 LOADS = [(1, 500), (4, 500), (2, 3000)]
 

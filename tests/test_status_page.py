@@ -16,15 +16,15 @@ from matplotlib import image
 
 from controller.config import ServerConfig
 from controller.core import Controller
-from controller.history import SERIES, StatusHistory
+from controller.observe.history import SERIES, StatusHistory
 from controller.server import start_server
-from controller.web import (DEPTH_COLORS, POSITION_COLORS, ROLLOUT_COLOR, SEVERITY_COLORS, SPEEDUP_COLOR,
+from controller.observe.web import (DEPTH_COLORS, POSITION_COLORS, ROLLOUT_COLOR, SEVERITY_COLORS, SPEEDUP_COLOR,
                             TAU_COLORS, render_page)
 from policies.presets import load_preset
 from policies.table import Decision
 from tests.support import SyntheticWorker, feed, http_get, make_hello, wait_for
 from tests.test_metrics import observed_config
-from worker.agent import SpeculationAgent
+from worker.sdk.agent import SpeculationAgent
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.alerting import restore_monitor
+from controller.alerts.alerting import restore_monitor
 from controller.drift import AcceptanceDriftMonitor, DriftAlert, MonitorConfig
 from controller.drift.alerts import Action, Severity, Status
-from controller.store import StateStore, StoreError
+from controller.alerts.store import StateStore, StoreError
 from tests.test_drift_monitor import FAST, custom_stream, feed
 
 

@@ -1,6 +1,6 @@
 """Torch's thread count reaches the threads that run a model: MKL keeps its
 count per thread, so a thread started later runs MKL on every core unless it
-applies the process's count itself (``worker.threads.inherit_threads``)."""
+applies the process's count itself (``worker.reference.threads.inherit_threads``)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
-from worker.drafters.ngram import NgramDrafter
-from worker.load import generate_request
-from worker.models import tiny_llama
-from worker.server import ReferenceWorker, WorkerOptions
-from worker.threads import inherit_threads, set_threads
+from worker.reference.drafters.ngram import NgramDrafter
+from worker.reference.load import generate_request
+from worker.reference.models import tiny_llama
+from worker.reference.server import ReferenceWorker, WorkerOptions
+from worker.reference.threads import inherit_threads, set_threads
 
 
 def _mkl_max_threads():
@@ -76,7 +76,7 @@ def test_the_workers_engine_thread_runs_mkl_on_the_process_count(one_thread):
 @pytest.mark.parametrize("runner", ["engine", "transformers"])
 def test_the_engine_benchs_runners_run_mkl_on_the_process_count(one_thread, runner):
     from bench.engine import _SteppedEngine, _SteppedGenerate
-    from worker.engine.engine import Engine
+    from worker.reference.engine.engine import Engine
 
     model, _ = tiny_llama(seed=1)
     seen = []

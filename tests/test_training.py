@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from worker.heads import format_report
-from worker.heads.data import DistillSet, build_distill_set, draft_vocab
-from worker.heads.store import HeadsBundle
-from worker.heads.train import TrainConfig, _unroll_mask, evaluate, train
-from worker.models import ModelUnavailableError, tiny_llama
-from worker.prompts import Prompt, load_prompts, prompt_sets
+from worker.reference.heads import format_report
+from worker.reference.heads.data import DistillSet, build_distill_set, draft_vocab
+from worker.reference.heads.store import HeadsBundle
+from worker.reference.heads.train import TrainConfig, _unroll_mask, evaluate, train
+from worker.reference.models import ModelUnavailableError, tiny_llama
+from worker.reference.prompts import Prompt, load_prompts, prompt_sets
 
 import pytest
 
@@ -127,7 +127,7 @@ def test_shipped_prompt_sets():
 def test_extra_text_trains_but_never_holds_out(tiny_ds, tmp_path):
     from types import SimpleNamespace
 
-    from worker.heads.data import extend_with_text
+    from worker.reference.heads.data import extend_with_text
 
     model, vocab, prompts, ds = tiny_ds
     (tmp_path / "a.txt").write_text(" ".join(str(i % vocab) for i in range(300)))
@@ -165,8 +165,8 @@ def test_sampled_answers_join_their_prompts_split(tiny_ds):
 
 @pytest.mark.model
 def test_parts_answered_in_processes_equal_parts_answered_in_one(tiny_ds, tmp_path, monkeypatch):
-    import worker.engine.engine as engine_module
-    from worker.heads.data import ModelLoader, distill_cache_dir
+    import worker.reference.engine.engine as engine_module
+    from worker.reference.heads.data import ModelLoader, distill_cache_dir
 
     model, vocab, prompts, ds = tiny_ds
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -195,7 +195,7 @@ def test_parts_answered_in_processes_equal_parts_answered_in_one(tiny_ds, tmp_pa
 
 
 def test_first_use_data_is_chosen_per_kind(tmp_path, monkeypatch):
-    from worker.heads import DEFAULT_DATA, DistillData, default_heads_dir, ensure_heads
+    from worker.reference.heads import DEFAULT_DATA, DistillData, default_heads_dir, ensure_heads
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     # EAGLE keeps gaining from more sampled answers, Medusa does not: each trains on its own data, in its own directory
@@ -216,8 +216,8 @@ def test_train_heads_end_to_end_trains_on_its_own_threads(tiny_ds, tmp_path, mon
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    import worker.heads.train as train_module
-    from worker.heads import train_heads
+    import worker.reference.heads.train as train_module
+    from worker.reference.heads import train_heads
 
     model, vocab, prompts, _ = tiny_ds
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from worker.engine.tree import chain_parents, tree_buffers
+from worker.reference.engine.tree import chain_parents, tree_buffers
 
 
 def _bool(rows):

@@ -1,6 +1,6 @@
 """Tree verification against plain causal passes and ``generate``.
 
-All model tests use the tiny seeded Llama from ``worker.models.tiny_llama``
+All model tests use the tiny seeded Llama from ``worker.reference.models.tiny_llama``
 (fp32, 2 layers, GQA 4/2): each forward is a millisecond or so.
 """
 
@@ -8,15 +8,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from worker.engine.tree import TreeBuffers, chain_parents, tree_buffers
-from worker.engine.verify import (
+from worker.reference.engine.tree import TreeBuffers, chain_parents, tree_buffers
+from worker.reference.engine.verify import (
     compact_cache,
     greedy_accept,
     greedy_decode,
     prefill,
     verify_tree,
 )
-from worker.models import tiny_llama
+from worker.reference.models import tiny_llama
 
 TWO_BY_TWO = [-1, -1, 0, 0, 1, 1]
 DEPTH3_WIDTH2 = [-1, -1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]

@@ -14,7 +14,7 @@ by bootstrap from their baseline:
 
 :class:`AcceptanceDriftMonitor` runs them per drafter version × context
 bucket (× domain) and raises :class:`DriftAlert` objects with a recommended
-:class:`Action`. The server runs it through :mod:`controller.alerting`.
+:class:`Action`. The server runs it through :mod:`controller.alerts.alerting`.
 """
 
 import importlib

@@ -6,7 +6,7 @@ Its histogram cannot be compared across steps drafted at different depths:
 a step of depth 2 can never show ``τ = 5``, so a batch-size shift that makes
 the policy draft shallower would look like drift. The outcome is therefore
 read as the sequence of trials it is made of — the same stick-breaking cells
-the acceptance model uses (``controller.acceptance``): at each level reached,
+the acceptance model uses (``controller.models.acceptance``): at each level reached,
 ranks ``1..r`` of the offered candidates were tried in order of draft
 confidence until one was accepted (or all failed). A cell ``(k, r)`` is "the
 rank-``r`` candidate at position ``k``"; its success probability ``s[k, r]``

@@ -57,7 +57,7 @@ no worker runs it any more (or :meth:`AcceptanceDriftMonitor.retire_version`).
 
 Wiring: ``controller.on_step.append(monitor.observe_step)`` feeds every
 applied step; the server feeds a hashed subset of requests instead, off the
-ingest path (:mod:`controller.alerting`).
+ingest path (:mod:`controller.alerts.alerting`).
 """
 
 from __future__ import annotations

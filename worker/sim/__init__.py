@@ -3,7 +3,7 @@
 - :mod:`worker.sim.hardware`: roofline step costs (target verify, EAGLE/Medusa drafting);
 - :mod:`worker.sim.acceptance`: ground-truth acceptance ``q[k, r]`` (context decay, drift);
 - :mod:`worker.sim.tree`: EAGLE-2-style greedy trees and sampled verification outcomes;
-- :mod:`worker.sim.scenario`: validated YAML scenarios (``bench/scenarios``);
+- :mod:`worker.sim.scenario`: validated YAML scenarios (``worker/sim/scenarios``);
 - :mod:`worker.sim.traffic`: seeded arrivals independent of decisions;
 - :mod:`worker.sim.worker`: :class:`SimWorker`, a clock-agnostic continuous-batching engine;
 - :mod:`worker.sim.runner`: simulated-time and real-time drivers.

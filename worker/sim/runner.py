@@ -1,6 +1,6 @@
 """Drive simulated workers in simulated time or in (scaled) real time.
 
-The agent contract (``worker/agent.py``)::
+The agent contract (``worker/sdk/agent.py``)::
 
     agent.decide(request_id, context_len, batch_size) -> Decision
     agent.observe(StepTelemetry) -> None
@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from policies.table import Decision
 from worker.sim.worker import DecideFn, SimWorker, StepResult, WorkerStats
-from worker.telemetry import RequestSummary, StepTelemetry
+from worker.sdk.telemetry import RequestSummary, StepTelemetry
 
 
 class AgentLike(Protocol):

@@ -4,7 +4,7 @@ A scenario is YAML validated by pydantic models that forbid unknown keys;
 :func:`load_scenario` turns every validation error into a
 :class:`ScenarioError` line naming the field path and the offending value.
 
-Schema (see ``bench/scenarios/*.yaml`` for complete files)::
+Schema (see ``worker/sim/scenarios/*.yaml`` for complete files)::
 
     name: demo
     duration_s: 300          # simulated seconds
@@ -81,7 +81,7 @@ from worker.sim.hardware import (
     ModelProfile,
 )
 
-SCENARIO_DIR = Path(__file__).resolve().parents[2] / "bench" / "scenarios"
+SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 
 
 class Strict(BaseModel):
@@ -623,5 +623,5 @@ def load_scenario(path_or_name: str | Path) -> Scenario:
 
 
 def shipped_scenarios() -> list[Path]:
-    """The scenario files in ``bench/scenarios``."""
+    """The scenario files in ``worker/sim/scenarios``."""
     return sorted(SCENARIO_DIR.glob("*.yaml"))

@@ -14,7 +14,7 @@ level the target accepts the rank-``R`` candidate with probability
 ``q[level, R]`` (or none), and the walk moves on only if that rank is among
 the current node's children; it stops at a rejection or at a leaf.
 
-Outcome fields follow ``worker/telemetry.py``: ``accepted`` (τ), and per
+Outcome fields follow ``worker/sdk/telemetry.py``: ``accepted`` (τ), and per
 level reached — a level whose parent node had children — the accepted rank
 (0 = none) and the candidates offered. A walk that ends by rejection has
 ``τ + 1`` entries; one that ends at a leaf has ``τ`` (the leaf's depth), so

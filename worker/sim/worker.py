@@ -14,8 +14,8 @@ Each :meth:`SimWorker.step` is one engine iteration:
 4. ``draft_ms`` and ``verify_ms`` come from the cost model with
    ``batch_tokens = Σ (1 + nodes)`` and ``kv_tokens = Σ context_len``, each
    with ~3% log-normal noise;
-5. the step returns its duration, a :class:`~worker.telemetry.StepTelemetry`
-   and a :class:`~worker.telemetry.RequestSummary` per finished request.
+5. the step returns its duration, a :class:`~worker.sdk.telemetry.StepTelemetry`
+   and a :class:`~worker.sdk.telemetry.RequestSummary` per finished request.
 
 The worker never reads a clock: the caller passes ``now`` and advances it by
 ``StepResult.duration_s`` (see :mod:`worker.sim.runner`). Random streams per
@@ -44,7 +44,7 @@ from worker.sim.hardware import CostModel
 from worker.sim.scenario import DriftChange, Scenario, Traffic, WorkerSpec
 from worker.sim.traffic import TrafficGenerator
 from worker.sim.tree import EMPTY_TREE, TreeCache, chain_tree, quantize, sample_outcomes
-from worker.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
+from worker.sdk.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
 
 DecideFn = Callable[[str, int, int], Decision]
 ENGINE = "specctl-sim"

@@ -1,0 +1,489 @@
+"""The reference engine: continuous batching with per-request speculation.
+
+One ``Engine.step()``:
+
+1. **admit** waiting requests (up to ``max_batch`` rows): prefill their
+   whole prompts together (left-padded) into a fresh ``BatchKV``, merge it
+   into the batch's, and take each request's first token from the logits
+   after its last prompt token (argmax, or a sample), as ``generate`` does;
+   a drafter that keeps per-request state over the target's features
+   (``CatchUp``: EAGLE's head cache) queues the prompt's here;
+2. **decide** per row: ``decide(request_id, context_len, batch_size)`` →
+   ``Decision`` (``SpeculationAgent.decide`` or any callable), clamped to the
+   drafter's limits; depth 0 = plain decoding for that row;
+3. **draft** (timed): ``drafter.propose`` for every row (off rows get an
+   empty tree; the drafter still ingests their hidden states). Rows about
+   to draft first catch up on what their drafter queued while they were
+   off (``CatchUp``; timed apart, not in the step's draft time);
+4. **verify** (timed): one forward of the target's decoder over every row's
+   ``[root | draft nodes]`` block (own tree mask per row, padded to the
+   largest), LM head on the real entries only, acceptance per row (greedy,
+   or recursive rejection sampling when ``temperature > 0``), KV
+   compaction to the accepted paths;
+5. **commit**: emitted tokens (accepted drafts + bonus, cut at EOS /
+   ``max_new_tokens``), hidden states of the accepted entries queued for the
+   drafter, telemetry to the observer (draft ms, verify ms, per-position
+   outcome, context length), finished rows leave the batch.
+
+Greedy verification accepts a draft token only when it is the target's
+argmax after the accepted prefix, so the output is token for token what
+``model.generate(do_sample=False)`` produces, whatever the drafter does.
+With ``temperature > 0`` every emitted token follows the target's
+``softmax(logits / temperature)`` given the tokens before it, whatever the
+drafter does (``sampling.sample_accept_tree``; chains and trees alike).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from policies.table import Decision
+from worker.reference.drafters.base import EMPTY_TREE, CatchUp, DraftContext, Drafter, DraftTree
+from worker.reference.engine.attention import use_grouped_attention
+from worker.reference.engine.batch import RowOutcome, build_block, greedy_path, row_outcome
+from worker.reference.engine.kv import BatchKV, SlotCache
+from worker.reference.engine.sampling import sample_accept_tree
+from worker.reference.engine.verify import _cache_kwarg
+from worker.sdk.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
+
+__all__ = ["Engine", "EngineStats", "Request", "static_decide"]
+
+DecideFn = Callable[[str, int, int], Decision]
+
+# Process-wide counters: step ids must grow strictly per worker and request
+# ids must not repeat, also when one agent watches several Engine instances
+# one after the other (benchmarks) — the controller rejects anything else.
+_STEP_IDS = itertools.count(1)
+_REQUEST_IDS = itertools.count()
+
+
+def static_decide(decision: Decision) -> DecideFn:
+    """A decide callable that always answers ``decision``."""
+
+    def decide(request_id: str, context_len: int, batch_size: int) -> Decision:
+        return decision
+
+    return decide
+
+
+@dataclass(eq=False)
+class Request:
+    """A generation request and, once done, its result."""
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    domain: str = ""
+    output: list[int] = field(default_factory=list)
+    steps: int = 0
+    accepted_tokens: int = 0
+    t_submit: float = 0.0
+    t_admit: float = 0.0
+    t_first_token: float = 0.0
+    t_done: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+    on_done: Callable[["Request"], None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done.is_set()
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens: int = 0  # generated tokens, all requests
+    row_steps: int = 0
+    spec_row_steps: int = 0  # row-steps that drafted (a non-empty tree)
+    draft_nodes: int = 0  # Σ nodes verified
+    accepted: int = 0  # Σ τ
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+    catch_up_s: float = 0.0  # drafter catch-ups of rows switched on (``CatchUp``), outside draft_s
+    repacks: int = 0
+    finished: int = 0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean τ (accepted draft tokens per row-step)."""
+        return self.accepted / self.row_steps if self.row_steps else 0.0
+
+
+@dataclass(eq=False)
+class _Row:
+    req: Request
+    tokens: list[int]  # committed; the root last
+    pending: list[torch.Tensor] = field(default_factory=list)  # hidden states not yet given to the drafter
+
+
+class Engine:
+    """Continuous-batching engine with per-request speculation, greedy or sampled.
+
+    Parameters
+    ----------
+    model : transformers causal LM (Llama family: ``model.model`` + ``lm_head``)
+    drafter : Drafter, optional
+        ``None`` = plain decoding for everybody.
+    decide : callable, optional
+        ``(request_id, context_len, batch_size) -> Decision``, e.g.
+        ``SpeculationAgent.decide``; default: a depth-4 chain with a drafter,
+        off without one. Clamped to the drafter's limits.
+    observer : object, optional
+        Gets ``observe(StepTelemetry)`` after every step and
+        ``finish(RequestSummary)`` per finished request (``SpeculationAgent``).
+    max_batch : int
+        Rows per step; more requests wait.
+    eos_token_id : int or list of int, optional
+        Default: the model's ``generation_config.eos_token_id``.
+    temperature : float
+        0 = greedy (lossless against ``generate(do_sample=False)``); > 0 =
+        sampling from ``softmax(logits / temperature)`` (lossless in
+        distribution).
+    seed : int, optional
+        Seed of the sampling generator (``temperature > 0``).
+    """
+
+    def __init__(
+        self,
+        model,
+        drafter: Drafter | None = None,
+        decide: DecideFn | None = None,
+        observer=None,
+        max_batch: int = 8,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int = 0,
+        repack_hole_fraction: float = 0.25,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        if not temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        self.model = model
+        use_grouped_attention(model)  # verify blocks are masked multi-token queries: no KV-head copies
+        self.base = getattr(model, model.base_model_prefix)
+        self.lm_head = model.get_output_embeddings()
+        self._cache_kw = _cache_kwarg(type(self.base))
+        self.drafter = drafter
+        if decide is None:
+            decide = static_decide(Decision.chain(4) if drafter is not None else Decision.off())
+        self.decide = decide
+        self.observer = observer
+        self.max_batch = max_batch
+        if eos_token_id is None:
+            gen = getattr(model, "generation_config", None)
+            eos_token_id = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if eos_token_id is None:
+            eos = frozenset()
+        elif isinstance(eos_token_id, int):
+            eos = frozenset([eos_token_id])
+        else:
+            eos = frozenset(int(e) for e in eos_token_id)
+        self.eos = eos
+        self.pad_token_id = pad_token_id
+        self.repack_hole_fraction = repack_hole_fraction
+        self.device = next(model.parameters()).device
+        self.temperature = float(temperature)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self.kv = BatchKV.empty(model, self.device)
+        self.rows: list[_Row] = []
+        self._waiting: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------ requests
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        request_id: str | None = None,
+        domain: str = "",
+        eos_token_id: int | Sequence[int] | None = None,
+        on_done: Callable[[Request], None] | None = None,
+    ) -> Request:
+        """Queue a request (thread-safe); it joins the batch at the next step."""
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        eos = self.eos if eos_token_id is None else frozenset(
+            [eos_token_id] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id])
+        req = Request(request_id or f"req-{next(_REQUEST_IDS)}", [int(t) for t in prompt], int(max_new_tokens), eos,
+                      domain, t_submit=time.perf_counter(), on_done=on_done)
+        with self._lock:
+            self._waiting.append(req)
+        return req
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.rows or self._waiting)
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Step until no request is active or waiting (or ``until()``)."""
+        while self.has_work() and not (until and until()):
+            self.step()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Submit ``prompts``, run to completion, return their new tokens in order."""
+        reqs = [self.submit(p, max_new_tokens) for p in prompts]
+        self.run()
+        return [r.output for r in reqs]
+
+    # ------------------------------------------------------------ admission
+    @torch.inference_mode()
+    def _admit(self) -> list[Request]:
+        """Admit waiting requests; those already done (no budget, or the first
+        token ends them)."""
+        joiners: list[Request] = []
+        with self._lock:
+            while self._waiting and len(self.rows) + len(joiners) < self.max_batch:
+                joiners.append(self._waiting.popleft())
+        if not joiners:
+            return []
+        t0 = time.perf_counter()
+        done_now = []
+        live = []
+        for req in joiners:
+            req.t_admit = t0
+            if req.max_new_tokens <= 0:
+                done_now.append(req)
+            else:
+                live.append(req)
+        if live:
+            fresh, hidden, last_logits = self._prefill([r.prompt for r in live])
+            self.kv.merge(fresh)
+            # The prefill's last logits give every request its first token, as a
+            # step's bonus token would: the token becomes the first root.
+            firsts = self._accept([EMPTY_TREE] * len(live), last_logits, [1] * len(live))
+            rows = [_Row(req, list(req.prompt)) for req in live]
+            first_row = len(self.rows)
+            self.rows.extend(rows)
+            finished = [first_row + i for i, (row, o) in enumerate(zip(rows, firsts))
+                        if self._emit(row, o.tokens, time.perf_counter())]
+            wants_hidden = self.drafter is not None and self.drafter.needs_hidden
+            if isinstance(self.drafter, CatchUp):  # queued: the head runs when the request first drafts
+                self.drafter.ingest_prompts([DraftContext(row.req.request_id, row.tokens, h, len(row.req.prompt))
+                                             for row, h in zip(rows, hidden)])
+            elif wants_hidden:
+                for row, h in zip(rows, hidden):
+                    row.pending.append(h)
+            done_now += self._drop(finished)
+        self.stats.prefill_s += time.perf_counter() - t0
+        for req in done_now:
+            self._finish_request(req)
+        return done_now
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[BatchKV, list[torch.Tensor], torch.Tensor]:
+        """Whole prompts into a fresh cache (left-padded): the cache, each
+        prompt's features ``[len, hidden]`` and the logits after its last
+        token ``[batch, vocab]``."""
+        b = len(prompts)
+        width = max(len(p) for p in prompts)
+        cache = SlotCache.for_model(self.model)
+        valid = torch.zeros(b, width, dtype=torch.bool, device=self.device)
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            valid[i, width - len(p) :] = True
+        ids = ids.to(self.device)
+        mask = valid.long()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        **{self._cache_kw: cache})
+        h = out.last_hidden_state  # [b, width, hidden]; left padding: the last column is real in every row
+        hidden = [h[i, width - len(p) :].clone() for i, p in enumerate(prompts)]
+        return BatchKV(cache, valid), hidden, self.lm_head(h[:, -1])  # logits [b, vocab]
+
+    # ------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that finished in it."""
+        admitted_done = self._admit()
+        if not self.rows:
+            return admitted_done
+        batch = len(self.rows)
+        ctx = self.kv.real_lengths().tolist()
+        decisions = self._decisions(ctx, batch)
+        caught, catch_up_s = self._catch_up(decisions)
+
+        t0 = time.perf_counter()
+        trees = self._draft(decisions)
+        t1 = time.perf_counter()
+
+        roots = [row.tokens[-1] for row in self.rows]
+        block = build_block(roots, trees, self.kv.valid, self.model.dtype, self.pad_token_id)
+        past_len = self.kv.length
+        out = self.base(input_ids=block.ids, attention_mask=block.attention_mask, position_ids=block.position_ids,
+                        use_cache=True, **{self._cache_kw: self.kv.cache})
+        hidden = out.last_hidden_state  # [batch, N+1, hidden]
+        real = torch.cat([hidden[b, : block.sizes[b]] for b in range(batch)])  # LM head on real entries only
+        outcomes = self._accept(trees, self.lm_head(real), block.sizes)
+        k_max = max(len(o.path) for o in outcomes)
+        paths = torch.full((batch, k_max), -1, dtype=torch.long)
+        for b, o in enumerate(outcomes):
+            paths[b, : len(o.path)] = torch.tensor(o.path)
+        self.kv.compact(past_len, paths)
+        t2 = time.perf_counter()
+
+        if self.kv.maybe_repack(self.repack_hole_fraction):
+            self.stats.repacks += 1
+        return admitted_done + self._commit(decisions, trees, outcomes, hidden, ctx, t1 - t0, t2 - t1, caught,
+                                            catch_up_s)
+
+    def _accept(self, trees: list[DraftTree], logits: torch.Tensor, sizes: list[int]) -> list[RowOutcome]:
+        """Per row: the accepted path and the token after it; ``logits``
+        ``[Σ sizes, vocab]`` holds every row's real block entries in order."""
+        outcomes = []
+        start = 0
+        if self.temperature == 0.0:
+            targets = logits.argmax(-1).tolist()
+            for tree, size in zip(trees, sizes):
+                path, bonus = greedy_path(tree, targets[start : start + size])
+                outcomes.append(row_outcome(tree, path, bonus))
+                start += size
+            return outcomes
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        for tree, size in zip(trees, sizes):
+            path, token = sample_accept_tree(probs[start : start + size], tree.parents, tree.tokens, tree.proposal,
+                                             self.generator)
+            outcomes.append(row_outcome(tree, path, token))
+            start += size
+        return outcomes
+
+    def _decisions(self, ctx: list[int], batch: int) -> list[Decision]:
+        if self.drafter is None:
+            return [Decision.off()] * batch
+        limits = self.drafter.limits
+        return [limits.clamp(self.decide(row.req.request_id, ctx[b], batch)) for b, row in enumerate(self.rows)]
+
+    def _catch_up(self, decisions: list[Decision]) -> tuple[dict[str, int], float]:
+        """Rows about to draft run their drafter over what it queued while
+        they were off (``CatchUp``), before the timed draft; returns the
+        tokens caught up on per request and the seconds it took."""
+        if not isinstance(self.drafter, CatchUp):
+            return {}, 0.0
+        due = [DraftContext(row.req.request_id, row.tokens, None, len(row.req.prompt))
+               for row, d in zip(self.rows, decisions) if d.depth > 0]
+        if not due:
+            return {}, 0.0
+        t0 = time.perf_counter()
+        caught = self.drafter.catch_up(due)
+        seconds = time.perf_counter() - t0
+        self.stats.catch_up_s += seconds
+        return caught, seconds
+
+    def _draft(self, decisions: list[Decision]) -> list[DraftTree]:
+        if self.drafter is None:
+            return [EMPTY_TREE] * len(self.rows)
+        contexts = []
+        for row in self.rows:
+            hidden = None
+            if row.pending:
+                hidden = row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending)
+                row.pending.clear()
+            contexts.append(DraftContext(row.req.request_id, row.tokens, hidden, len(row.req.prompt)))
+        trees = self.drafter.propose(contexts, decisions)
+        if len(trees) != len(self.rows):
+            raise ValueError(f"drafter {self.drafter.kind} returned {len(trees)} trees for {len(self.rows)} rows")
+        for tree, d in zip(trees, decisions):
+            if tree.num_nodes and (tree.num_nodes > d.max_nodes or tree.depth() > d.depth
+                                   or tree.max_children() > d.width):
+                raise ValueError(
+                    f"drafter {self.drafter.kind} returned a tree (nodes {tree.num_nodes}, depth {tree.depth()}, "
+                    f"width {tree.max_children()}) outside its decision {d}"
+                )
+        return trees
+
+    def _commit(self, decisions, trees, outcomes, hidden, ctx, draft_s, verify_s, caught, catch_up_s) -> list[Request]:
+        now = time.perf_counter()
+        wants_hidden = self.drafter is not None and self.drafter.needs_hidden
+        telemetry = []
+        finished: list[int] = []
+        for b, (row, tree, o) in enumerate(zip(self.rows, trees, outcomes)):
+            req = row.req
+            depth = tree.depth() if tree.num_nodes else 0
+            telemetry.append(RequestTelemetry(
+                request_id=req.request_id,
+                context_len=ctx[b],
+                depth=depth,
+                width=tree.max_children() if depth else 0,
+                nodes=tree.num_nodes,
+                accepted=o.accepted,
+                accepted_rank=o.accepted_rank if depth else (),
+                level_candidates=o.level_candidates if depth else (),
+                draft_confidence=o.draft_confidence if depth else (),
+                domain=req.domain,
+                requested_depth=decisions[b].depth,
+                requested_width=decisions[b].width if decisions[b].depth else 0,
+                requested_nodes=decisions[b].max_nodes if decisions[b].depth else 0,
+                caught_up_tokens=caught.get(req.request_id, 0),
+            ))
+            if wants_hidden:
+                row.pending.append(hidden[b, o.path].clone())
+            req.steps += 1
+            req.accepted_tokens += o.accepted
+            if self._emit(row, o.tokens, now):
+                finished.append(b)
+            self.stats.row_steps += 1
+            self.stats.spec_row_steps += depth > 0
+            self.stats.draft_nodes += tree.num_nodes
+            self.stats.accepted += o.accepted
+        self.stats.steps += 1
+        self.stats.draft_s += draft_s
+        self.stats.verify_s += verify_s
+        if self.observer is not None:
+            self.observer.observe(StepTelemetry(next(_STEP_IDS), time.time(), len(self.rows), draft_s * 1e3,
+                                                verify_s * 1e3, telemetry, catch_up_s * 1e3))
+        done = self._drop(finished)
+        for req in done:
+            self._finish_request(req)
+        return done
+
+    def _emit(self, row: _Row, tokens: list[int], now: float) -> bool:
+        """Commit ``tokens`` to the row, cut at EOS / ``max_new_tokens``;
+        True when that finished the request."""
+        req = row.req
+        row.tokens.extend(tokens)
+        if not req.output:
+            req.t_first_token = now
+        for tok in tokens:
+            req.output.append(tok)
+            self.stats.tokens += 1
+            if tok in req.eos_token_ids or len(req.output) >= req.max_new_tokens:
+                return True
+        return False
+
+    def _drop(self, finished: list[int]) -> list[Request]:
+        """Take rows ``finished`` (indices) out of the batch and its cache; their requests."""
+        done = [self.rows[b].req for b in finished]
+        if finished:
+            gone = set(finished)
+            keep = [b for b in range(len(self.rows)) if b not in gone]
+            self.rows = [self.rows[b] for b in keep]
+            self.kv.select(keep)
+        return done
+
+    def _finish_request(self, req: Request) -> None:
+        req.t_done = time.perf_counter()
+        self.stats.finished += 1
+        if self.drafter is not None:
+            self.drafter.release(req.request_id)
+        if self.observer is not None:
+            self.observer.finish(RequestSummary(req.request_id, len(req.output), req.steps, req.accepted_tokens,
+                                                time.time()))
+        req.done.set()
+        if req.on_done is not None:
+            req.on_done(req)

@@ -1,0 +1,11 @@
+"""The SDK an engine embeds to run under the controller.
+
+- :mod:`worker.sdk.agent` — :class:`~worker.sdk.agent.SpeculationAgent`:
+  ``decide()`` from the last plan (no network), ``observe()`` / ``finish()``
+  into a bounded queue, a background Connect stream with ACK/NACK, receipts,
+  heartbeats and reconnects;
+- :mod:`worker.sdk.telemetry` — the step and request records the engine fills;
+- :mod:`worker.sdk.security` — TLS and bearer-token options of a client.
+
+Imports ``protos`` and ``policies.table`` only (no torch, no controller).
+"""
