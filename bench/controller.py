@@ -44,7 +44,7 @@ Measurements:
   runs the policy, so the policy's own compute time (``run_policy_ms_mean``
   in the JSON, ~4 ms for goodput) is part of this latency.
   RequestDecisions carry no timestamp; the controller's send→ACK round trip
-  (``WorkerState.plan_push_ms``, both kinds) is reported as
+  (``PlanLedger.plan_push_ms``, both kinds) is reported as
   ``plan_ack_rtt_ms_p50/p99``.
 - ``agent_decide_us_median``: ``SpeculationAgent.decide`` with a plan from
   the real goodput policy installed through the agent's compile path, median
@@ -140,8 +140,10 @@ def bench_hello(worker_id: str) -> worker_pb2.Hello:
     )
 
 
-class SimWorker:
-    """One simulated worker's telemetry, produced at a fixed rate and encoded by hand."""
+class WireLoadWorker:
+    """One load-generating worker: its telemetry produced at a fixed rate and
+    wire-encoded by hand for a raw gRPC stream (not the simulator's
+    ``worker.sim.worker.SimWorker``, which models an engine and its acceptance)."""
 
     def __init__(self, index: int, steps_per_s: float, seed: int) -> None:
         self.rng = random.Random(seed * 100_003 + index)
@@ -293,7 +295,7 @@ def _result_or_error(task: asyncio.Task) -> dict:
     return task.result()
 
 
-async def _worker(w: SimWorker, call, st: GenStats, plans: list, load_t0: float, stop: asyncio.Event) -> None:
+async def _worker(w: WireLoadWorker, call, st: GenStats, plans: list, load_t0: float, stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     lock = asyncio.Lock()
 
@@ -369,12 +371,12 @@ async def run_phase(cfg: PhaseConfig, report: Callable[[dict], None]) -> dict:
     lags: list[float] = []
     stop = asyncio.Event()
     tasks: list[asyncio.Task] = []
-    workers: list[SimWorker] = []
+    workers: list[WireLoadWorker] = []
     wall_t0 = time.time()
     result: dict[str, Any] = {"phase": cfg.name}
     try:
         await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels + [status_channel])), 30)
-        workers = [SimWorker(i, cfg.steps_per_s, cfg.seed) for i in range(cfg.workers)]
+        workers = [WireLoadWorker(i, cfg.steps_per_s, cfg.seed) for i in range(cfg.workers)]
         connects = [ch.stream_stream(CONNECT) for ch in channels]
         load_t0 = loop.time()
         wall_t0 = time.time()
@@ -458,8 +460,8 @@ class SectionTimers:
 
         def ack(state, msg):
             rejection = inner_ack(state, msg)
-            if rejection is None and state.plan_push_ms:
-                self.ack_rtt.append((time.time(), state.plan_push_ms[-1]))
+            if rejection is None and state.plans.plan_push_ms:
+                self.ack_rtt.append((time.time(), state.plans.plan_push_ms[-1]))
             return rejection
 
         ctl.ack = ack

@@ -38,7 +38,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.controller import CONNECT, GenStats, SimWorker, _worker, bench_hello
+from bench.controller import CONNECT, GenStats, WireLoadWorker, _worker, bench_hello
 from bench.echo import peak_rss_mb
 from protos.speculation.v1 import worker_pb2
 
@@ -116,8 +116,8 @@ async def _controller_main(conn) -> None:
                     "queue": stream.queue.qsize() if stream else 0,
                     "queue_bound": ctl.config.send_queue_size,
                     "dropped": stream.dropped if stream else 0,
-                    "plans_in_flight": len(state.pending) if state else 0,
-                    "plan_version": state.plan_version if state else 0,
+                    "plans_in_flight": len(state.plans.pending) if state else 0,
+                    "plan_version": state.plans.plan_version if state else 0,
                     "housekeeping_alive": all(not t.done() for t in running.tasks),
                     "peak_rss_mb": peak_rss_mb(),
                 }))
@@ -137,8 +137,9 @@ def controller_child(conn) -> None:
         conn.close()
 
 
-class Controller:
-    """The parent's handle on the controller child (blocking pipe calls, each answered at once)."""
+class ControllerProcess:
+    """The parent's handle on the controller child, which runs the real controller
+    (:func:`controller_child`): blocking pipe calls, each answered at once."""
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
@@ -188,11 +189,11 @@ def _stats(ms: list[float]) -> dict:
             "max_ms": float(a.max()), "mean_ms": float(a.mean())}
 
 
-async def _run(ctl: Controller, workers: int, phase_s: float, rounds: int, report) -> dict:
+async def _run(ctl: ControllerProcess, workers: int, phase_s: float, rounds: int, report) -> dict:
     target = f"127.0.0.1:{ctl.port}"
     options = [("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(max(1, workers // 32))]
-    fleet = [SimWorker(i, HEALTHY_STEPS_PER_S, seed=11) for i in range(workers)]
+    fleet = [WireLoadWorker(i, HEALTHY_STEPS_PER_S, seed=11) for i in range(workers)]
     stats, plans, stop = GenStats(), [], asyncio.Event()
     loop = asyncio.get_running_loop()
     load_t0 = loop.time()
@@ -296,7 +297,7 @@ def run_faults_bench(out_dir: str | os.PathLike, workers: int = 32, phase_s: flo
     console = Console()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ctl = Controller()
+    ctl = ControllerProcess()
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as bar:
             task = bar.add_task("starting", total=2 * rounds)

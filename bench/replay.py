@@ -65,10 +65,10 @@ from controller.observe.recorder import finished_from_dict, hello_from_dict, rea
 from policies.table import Decision, DecisionTable, bucket_index
 from protos.speculation.v1 import plan_pb2, worker_pb2
 from worker.sdk.agent import compile_plan
-from worker.sim.tree import DraftTree, build_tree
+from worker.sim.tree import TreeShape, build_tree
 
 # ------------------------------------------------------------ the estimator
-def subtree_value(tree: DraftTree, q: np.ndarray, node: int, level: int) -> float:
+def subtree_value(tree: TreeShape, q: np.ndarray, node: int, level: int) -> float:
     """E[accepted tokens below ``node``] (at depth ``level``) under ``q``, with no observation."""
     total = 0.0
     first = int(tree.first_child[node])
@@ -79,7 +79,7 @@ def subtree_value(tree: DraftTree, q: np.ndarray, node: int, level: int) -> floa
     return total
 
 
-def censored_tau(tree: DraftTree, q: np.ndarray, accepted_rank: Sequence[int], level_candidates: Sequence[int]) -> tuple[float, bool]:
+def censored_tau(tree: TreeShape, q: np.ndarray, accepted_rank: Sequence[int], level_candidates: Sequence[int]) -> tuple[float, bool]:
     """(E[τ] of ``tree`` given a recorded per-position outcome, whether it is exact).
 
     ``accepted_rank[k]`` / ``level_candidates[k]``: the recorded accepted rank
@@ -305,7 +305,7 @@ class Replayer:
         return StepEstimate(step.batch_size, kv, unreported, tokens + unreported, nodes, max_depth, pairs,
                             rec_tokens + unreported, rec_nodes, rec_depth, rec_pairs, step.draft_ms + step.verify_ms)
 
-    def tree(self, worker: ReplayWorker, q: np.ndarray, decision: Decision) -> DraftTree:
+    def tree(self, worker: ReplayWorker, q: np.ndarray, decision: Decision) -> TreeShape:
         """The counterfactual tree: best-first from the model's ``q`` (cached by ``q`` and decision)."""
         key = (q.tobytes(), decision)
         tree = worker.trees.get(key)

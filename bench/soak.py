@@ -33,7 +33,7 @@ from typing import Callable
 
 import grpc
 
-from bench.controller import GET_STATUS, STREAMS_PER_CHANNEL, GenStats, SimWorker, _worker
+from bench.controller import GET_STATUS, STREAMS_PER_CHANNEL, GenStats, WireLoadWorker, _worker
 from protos.speculation.v1 import controller_pb2
 
 SAMPLE_S = 0.2
@@ -111,8 +111,8 @@ class ServeProcess:
             self.workdir.cleanup()
 
 
-class ChurnWorker(SimWorker):
-    """``bench.controller.SimWorker`` with short request lives (4-12 steps)."""
+class ChurnWorker(WireLoadWorker):
+    """``bench.controller.WireLoadWorker`` with short request lives (4-12 steps)."""
 
     def _new_request(self) -> list:
         slot = super()._new_request()

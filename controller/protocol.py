@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from policies.base import DrafterLimits
 from policies.table import Decision, DecisionTable
@@ -177,12 +178,23 @@ def _check_confidence(confidence, levels: int, path: str, step_id: int) -> None:
             raise _bad(path, f"draft_confidence[{i}]", f"{c} must be in [0, 1]", step_id)
 
 
-# One validated request of a step: (request_id, context_len, depth, width,
-# nodes, accepted, accepted_rank, level_candidates, requested_depth,
-# requested_width, requested_nodes, caught_up_tokens); ranks and candidates are
-# None for a chain or an off request (the per-position outcome follows from τ).
-RequestRow = tuple[str, int, int, int, int, int, "tuple[int, ...] | None", "tuple[int, ...] | None", int, int, int,
-                   int]
+class RequestRow(NamedTuple):
+    """One validated request of a step, fields read from the proto once.
+    ``accepted_rank`` and ``level_candidates`` are None for a chain or an off
+    request (the per-position outcome follows from ``accepted``)."""
+
+    request_id: str
+    context_len: int
+    depth: int
+    width: int
+    nodes: int
+    accepted: int
+    accepted_rank: tuple[int, ...] | None
+    level_candidates: tuple[int, ...] | None
+    requested_depth: int
+    requested_width: int
+    requested_nodes: int
+    caught_up_tokens: int
 
 
 def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
@@ -226,22 +238,22 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
                 depth <= requested <= max_depth and (requested_width == 0 or 1 <= requested_width <= max_width)
                 and (requested_nodes == 0 or max(nodes, 1) <= requested_nodes <= max_nodes))
         ) and (caught == 0 or (requested and 0 < caught <= ctx)):
-            rows.append((rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
-                         requested_nodes, caught))
+            rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
+                                   requested_nodes, caught))
             continue
         validate_request_step(r, limits, f"{path}.requests[{i}]", sid)
         if depth and ranks:
-            rows.append((rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates),
-                         requested, requested_width, requested_nodes, caught))
+            rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates),
+                                   requested, requested_width, requested_nodes, caught))
         else:
-            rows.append((rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
-                         requested_nodes, caught))
-    if len(rows) > 1 and len({row[0] for row in rows}) < len(rows):
+            rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
+                                   requested_nodes, caught))
+    if len(rows) > 1 and len({row.request_id for row in rows}) < len(rows):
         seen: set[str] = set()
         for j, row in enumerate(rows):
-            if row[0] in seen:
-                raise _bad(path, f"requests[{j}].request_id", f"{row[0]!r} appears twice in the step", sid)
-            seen.add(row[0])
+            if row.request_id in seen:
+                raise _bad(path, f"requests[{j}].request_id", f"{row.request_id!r} appears twice in the step", sid)
+            seen.add(row.request_id)
     return rows
 
 

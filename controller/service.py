@@ -133,7 +133,7 @@ class SpeculationControllerServicer:
         if previous is not None:
             # Newest wins (a restarted worker must not wait for its dead stream to time out).
             ctl.streams_superseded += 1
-            state.streams_superseded += 1
+            state.counters.streams_superseded += 1
             peer = context.peer()
             log.warning("worker %s: a new stream from %s supersedes the open one", state.worker_id, peer)
             previous.end(grpc.StatusCode.ABORTED, f"superseded by a newer stream for worker {state.worker_id!r} "
@@ -323,9 +323,9 @@ class SpeculationControllerServicer:
             d = ctl.decide(state, q.request_id, q.context_len, q.batch_size)
             response.decisions.append(decision_to_proto(d))
         if session == controller_pb2.WORKER_SESSION_UNARY:
-            for version in list(state.pending):  # it has no stream to ACK on: answering from a plan applies it
+            for version in list(state.plans.pending):  # it has no stream to ACK on: answering from a plan applies it
                 ctl.use(state, version)
-        response.plan_version = state.current_version
+        response.plan_version = state.plans.current_version
         return response
 
     # ----------------------------------------------------------- GetStatus

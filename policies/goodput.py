@@ -10,7 +10,9 @@ Tree value (EAGLE-2, OPT-Tree): a draft node's value is the probability that
 the target accepts it, i.e. the product of the acceptance probabilities of
 the ranks along its path, and ``E[τ]`` of a tree is the sum of its nodes'
 values. Under a node budget, taking nodes best-first by value maximises
-``E[τ]`` (a child never beats its parent, so best-first yields valid trees).
+``E[τ]`` (a child never beats its parent, so best-first yields valid trees;
+the expansion is :func:`policies.tree.grow_best_first`, shared with the
+simulator and the drafters).
 
 Batch allocation (TETRIS): rank every candidate node of every request in the
 batch by value and keep the best prefix — the one with the highest ``G``
@@ -65,7 +67,6 @@ instead, so untried batch sizes still get measured.
 
 from __future__ import annotations
 
-import heapq
 import math
 import zlib
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policies.base import Observation, PlanDraft, Policy
 from policies.table import Decision, DecisionTable, bucket_index
+from policies.tree import grow_best_first
 
 
 class GoodputConfig(BaseModel):
@@ -188,53 +190,19 @@ MAX_EXPANSION = 4096  # nodes one shared expansion may emit (a bound; the lists 
 
 def _expand(rank_probs: np.ndarray, max_depth: int, max_width: int, max_nodes: int,
             single_cap: bool) -> tuple[list[float], list[int], list[int]]:
-    """(values, levels 1.., parent index or -1) of best-first nodes, in emission order.
+    """(values, levels 1.., parent index or -1) of best-first nodes, in the order taken
+    (:func:`policies.tree.grow_best_first` over per-level rank probabilities).
 
-    ``single_cap``: the first ``max_nodes`` nodes within ``max_depth``.
-    Otherwise every cap ``1..max_depth`` needs its first ``max_nodes`` nodes:
-    ``open_to`` is the deepest cap still short of them, and deeper nodes are
-    neither emitted nor expanded.
+    ``single_cap``: the first ``max_nodes`` nodes within ``max_depth``; nodes
+    worth nothing are never taken. Otherwise every cap ``1..max_depth`` needs
+    its first ``max_nodes`` nodes worth more than :data:`MIN_NODE_VALUE`
+    (``every_cap``), at most :data:`MAX_EXPANSION` in all.
     """
-    depth_cap = min(max_depth, rank_probs.shape[0])
-    width_cap = min(max_width, rank_probs.shape[1])
-    probs = rank_probs.tolist()
-    min_value = 0.0 if single_cap else MIN_NODE_VALUE
-    values: list[float] = []
-    levels: list[int] = []
-    parents: list[int] = []
-    within = [0] * (depth_cap + 1)  # within[L]: nodes emitted at levels <= L
-    open_to = depth_cap
-    # Heap of (-value, tiebreak, level, rank, parent id); ranks of one parent are
-    # pushed lazily: a parent's rank r+1 child enters once rank r is taken.
-    heap: list[tuple[float, int, int, int, int]] = []
-    counter = 0
-
-    def push(value: float, level: int, rank: int, parent: int) -> None:
-        nonlocal counter
-        if level < open_to and rank < width_cap:
-            child = value * probs[level][rank]
-            if child > min_value:
-                heapq.heappush(heap, (-child, counter, level, rank, parent))
-                counter += 1
-
-    push(1.0, 0, 0, -1)
-    limit = max_nodes if single_cap else MAX_EXPANSION
-    while heap and len(values) < limit and open_to > 0:
-        neg, _, level, rank, parent = heapq.heappop(heap)
-        if level >= open_to:
-            continue  # every cap this node belongs to is full
-        node = len(values)
-        values.append(-neg)
-        levels.append(level + 1)
-        parents.append(parent)
-        push(values[parent] if parent >= 0 else 1.0, level, rank + 1, parent)  # next sibling
-        push(-neg, level + 1, 0, node)  # first child
-        if not single_cap:
-            for cap in range(level + 1, depth_cap + 1):
-                within[cap] += 1
-            while open_to > 0 and within[open_to] >= max_nodes:
-                open_to -= 1
-    return values, levels, parents
+    rows = [[(p, None) for p in row] for row in rank_probs.tolist()]
+    tree = grow_best_first(lambda level, _: rows[level], min(max_depth, len(rows)), max_width, max_nodes,
+                           min_value=0.0 if single_cap else MIN_NODE_VALUE, every_cap=not single_cap,
+                           max_total=MAX_EXPANSION)
+    return tree.values, tree.levels, tree.parents
 
 
 def _node_list(values, levels, parents) -> NodeList:

@@ -26,12 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.record:
         config = config.model_copy(update={"record": args.record})
     if args.metrics_listen:
-        from controller.observe.http import parse_host_port
-
-        try:
-            parse_host_port(args.metrics_listen, "--metrics-listen")
-        except ValueError as err:
-            print(f"specctl serve: {err}", file=sys.stderr)
+        if not _listen_ok(args.metrics_listen, "--metrics-listen", "serve"):
             return 2
         config = config.model_copy(update={"metrics_listen": args.metrics_listen})
     from controller.alerts.store import StoreError
@@ -44,6 +39,18 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"specctl serve: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _listen_ok(value: str, flag: str, command: str) -> bool:
+    """``value`` is a HOST:PORT to listen on; otherwise say why, naming the flag."""
+    from controller.observe.http import parse_host_port
+
+    try:
+        parse_host_port(value, flag)
+    except ValueError as err:
+        print(f"specctl {command}: {err}", file=sys.stderr)
+        return False
+    return True
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -61,14 +68,8 @@ def _demo(args: argparse.Namespace) -> int:
         return run_real_demo(duration_s=args.duration, policy=args.policy, drafter=args.drafter)
     from specctl.demo import StatusPageError, run_demo
 
-    if args.status_listen:
-        from controller.observe.http import parse_host_port
-
-        try:
-            parse_host_port(args.status_listen, "--status-listen")
-        except ValueError as err:
-            print(f"specctl demo: {err}", file=sys.stderr)
-            return 2
+    if args.status_listen and not _listen_ok(args.status_listen, "--status-listen", "demo"):
+        return 2
     try:
         return run_demo(duration_s=args.duration, scenario=args.scenario, policy=args.policy, out_dir=args.out,
                         status_listen=args.status_listen)

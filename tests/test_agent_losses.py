@@ -82,7 +82,7 @@ async def test_heartbeats_keep_an_idle_agent_connected():
         await asyncio.sleep(1.5)  # three TTLs without a step
         assert agent.stats.heartbeats >= 5 and agent.stats.reconnects == 0
         state = running.controller.workers["w-idle"]
-        assert state.connected and not state.expired and running.controller.workers_expired == 0
+        assert state.session.connected and not state.session.expired and running.controller.workers_expired == 0
     finally:
         agent.close()
         await running.stop(0)

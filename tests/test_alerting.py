@@ -9,9 +9,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from controller.alerts.alerting import DriftAlerting, MonitorFeed, WatcherOverflow, is_sampled
-from controller.drift import AcceptanceDriftMonitor
 from controller.alerts.sinks import LogSink
 from controller.alerts.store import StateStore
+from controller.drift import AcceptanceDriftMonitor
+from controller.protocol import RequestRow
 from tests.test_drift_monitor import FAST
 from tests.test_store import make_alert
 
@@ -36,8 +37,8 @@ class CostlyMonitor:
 
 
 def step_of(request_ids: list[str], step_id: int, domain: str = "chat"):
-    """A StepReport stand-in and its validated rows (rid, ctx, depth, width, nodes, τ, ranks, candidates)."""
-    rows = [(rid, 100 + step_id, 3, 1, 3, step_id % 4, None, None) for rid in request_ids]
+    """A StepReport stand-in and its validated rows (depth-3 chains)."""
+    rows = [RequestRow(rid, 100 + step_id, 3, 1, 3, step_id % 4, None, None, 3, 1, 3, 0) for rid in request_ids]
     step = SimpleNamespace(timestamp=float(step_id), requests=[SimpleNamespace(domain=domain) for _ in request_ids])
     return step, rows
 

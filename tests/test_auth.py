@@ -415,7 +415,7 @@ async def test_agents_over_mutual_tls_with_tokens_stream_telemetry_and_receive_p
             await asyncio.to_thread(agent.close)
     for wid, agent in agents.items():
         assert running.controller.workers[wid].steps_ingested > 0
-        assert running.controller.workers[wid].acked_version >= 1
+        assert running.controller.workers[wid].plans.acked_version >= 1
         assert agent.stats.last_error == ""
     assert not running.servicer.auth.failures
 

@@ -9,13 +9,13 @@ import json
 import pytest
 from rich.console import Console
 
-from bench.controller import JSON_KEYS, SimWorker, bench_hello, run_controller_bench
+from bench.controller import JSON_KEYS, WireLoadWorker, bench_hello, run_controller_bench
 from controller.protocol import drafter_limits, validate_finished, validate_step
 from protos.speculation.v1 import worker_pb2
 
 
 def test_generated_messages_are_valid_protocol():
-    w = SimWorker(3, steps_per_s=50.0, seed=1)
+    w = WireLoadWorker(3, steps_per_s=50.0, seed=1)
     hello = worker_pb2.WorkerMessage.FromString(w.hello_bytes)
     assert hello.WhichOneof("payload") == "hello" and hello.hello.worker_id == w.worker_id
     limits = drafter_limits(bench_hello(w.worker_id))
@@ -49,7 +49,7 @@ def test_generated_messages_are_valid_protocol():
 
 
 def test_backlog_is_bounded_and_reported_as_dropped():
-    w = SimWorker(0, steps_per_s=50.0, seed=0)
+    w = WireLoadWorker(0, steps_per_s=50.0, seed=0)
     msgs, n = w.due_messages(1000.0, 1.7e9)  # 50 000 steps due at once
     assert n == 4096 and w.dropped == 50_000 - 4096
     first = worker_pb2.WorkerMessage.FromString(msgs[0])

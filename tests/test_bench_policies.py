@@ -123,7 +123,7 @@ def test_plans_reach_the_worker_after_the_configured_delay(delay):
     assert depths[: 1 + delay] == [0] * (1 + delay)
     assert set(depths[1 + delay :]) == {2}
     state = fleet.controller.workers["w"]
-    assert state.acked_version == fleet.links[0].version >= 1 and not state.pending
+    assert state.plans.acked_version == fleet.links[0].version >= 1 and not state.plans.pending
 
 
 def test_compress_time_scales_the_clock_not_the_load():

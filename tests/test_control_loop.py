@@ -73,7 +73,7 @@ async def test_depth_follows_batch_regime_and_context_bucket(server):
         assert long_after.depth < long_before.depth, (long_before, long_after)
         assert short_after.depth >= low_batch.depth, (low_batch, short_after)
 
-        await wait_for(lambda: server.controller.workers["w-regime"].acked_version == agent.plan_version)
+        await wait_for(lambda: server.controller.workers["w-regime"].plans.acked_version == agent.plan_version)
         status = server.controller.status("w-regime").workers[0]
         cost = status.cost_model
         assert cost.compute_ms_per_token == pytest.approx(0.06, rel=0.15)
@@ -211,7 +211,7 @@ async def test_agent_survives_controller_restart():
         await wait_for(lambda: agent.stats.connected and agent.stats.reconnects >= 1)
         await drive(agent, worker, [1, 2], [400], steps=10)
         await wait_for(lambda: agent.plan_version > version_before)
-        await wait_for(lambda: running.controller.workers["w-restart"].acked_version == agent.plan_version)
+        await wait_for(lambda: running.controller.workers["w-restart"].plans.acked_version == agent.plan_version)
         status = running.controller.status("w-restart").workers[0]
         assert status.steps_ingested > 0
     finally:

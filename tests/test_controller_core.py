@@ -303,7 +303,7 @@ def test_a_load_jump_gets_the_new_row_pushed_before_the_mean_batch_catches_up() 
 
     pushed = [m for _ in range(300) for m in step(4)]
     assert len(pushed) == 1  # the first plan: off everywhere
-    edges, contexts = state.current.table.batch_edges, state.current.table.context_edges
+    edges, contexts = state.plans.current.table.batch_edges, state.plans.current.table.context_edges
     eight = bucket_index(edges, 8)
     policy.table = DecisionTable.from_rows(
         [[Decision.chain(2) if b == eight else Decision.off() for _ in contexts] for b in range(len(edges))],
@@ -311,7 +311,7 @@ def test_a_load_jump_gets_the_new_row_pushed_before_the_mean_batch_catches_up() 
     assert bucket_index(edges, 4) != eight
     assert step(4) == []  # at batch 4 the new row changes nothing
     [plan] = step(8)
-    assert state.batch_ema < 5 and state.current.table.lookup(8, 500) == Decision.chain(2)
+    assert state.load.batch_ema < 5 and state.plans.current.table.lookup(8, 500) == Decision.chain(2)
 
 
 def test_catch_up_is_fitted_per_token_counted_in_step_time_and_owed_per_request() -> None:
@@ -334,8 +334,8 @@ def test_catch_up_is_fitted_per_token_counted_in_step_time_and_owed_per_request(
         s.requests.add(request_id="b", context_len=50 + sid)
     assert not ctl.ingest(state, steps)
     assert state.cost.refit().catch_up_ms_per_token == pytest.approx(6.0 / 120)
-    assert state.step_ms_total == pytest.approx(3 * 21.0 + 6.0)
-    assert sum(s.catch_up_ms for s in state.recent_steps) == pytest.approx(6.0)
+    assert state.counters.step_ms_total == pytest.approx(3 * 21.0 + 6.0)
+    assert sum(s.catch_up_ms for s in state.requests.recent_steps) == pytest.approx(6.0)
     status = ctl.worker_status(state)
     assert status.cost_model.catch_up_ms_per_token == pytest.approx(0.05)
     # "a" drafted at context 122 and accepted nothing: its drafter holds 123
@@ -354,7 +354,7 @@ def test_catch_up_is_fitted_per_token_counted_in_step_time_and_owed_per_request(
     assert ctl.observation(medusa, 1.0).catch_up_owed == {}
     assert obs.cost.catch_up_ms(100) == pytest.approx(5.0)
     ctl.finished(state, worker_pb2.RequestFinished(request_id="a", generated_tokens=6, steps=4, timestamp=5.0))
-    assert "a" not in state.drafted_through and "a" not in ctl.observation(state, 5.0).catch_up_owed
+    assert "a" not in state.requests.drafted_through and "a" not in ctl.observation(state, 5.0).catch_up_owed
     # Refused: more tokens than the context, or tokens with no draft asked for.
     bad = worker_pb2.StepReports()
     s = bad.steps.add(step_id=5, timestamp=5.0, batch_size=1, verify_ms=20.0)

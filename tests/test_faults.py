@@ -63,18 +63,19 @@ async def test_a_stuck_stream_delays_no_other_workers_plans_and_stays_bounded():
         # healthy workers get and ACK each one; the stuck worker's pile stays bounded.
         for _ in range(MAX_PENDING + 6):
             versions = [a.plan_version for a in agents]
-            before = stuck_state.plan_version
+            before = stuck_state.plans.plan_version
             ctl.set_policy(ctl.policy)
             await wait_for(lambda: all(a.plan_version > v for a, v in zip(agents, versions))
-                           and stuck_state.plan_version > before)
+                           and stuck_state.plans.plan_version > before)
             await stuck.flood(20)
             assert stream.queue.qsize() <= config.send_queue_size
-            assert len(stuck_state.pending) <= MAX_PENDING
-        await wait_for(lambda: all(ctl.workers[a.hello.worker_id].acked_version == a.plan_version for a in agents))
+            assert len(stuck_state.plans.pending) <= MAX_PENDING
+        await wait_for(lambda: all(ctl.workers[a.hello.worker_id].plans.acked_version == a.plan_version
+                                   for a in agents))
         assert all(a.stats.rejections == 0 for a in agents)
-        assert stuck_state.plan_version > MAX_PENDING and len(stuck_state.pending) == MAX_PENDING
+        assert stuck_state.plans.plan_version > MAX_PENDING and len(stuck_state.plans.pending) == MAX_PENDING
         assert stream.dropped > stuck.sent // 2  # most of what it was owed was dropped, not buffered
-        print(f"stuck stream: {stuck.sent} rejections and {stuck_state.plan_version} plans owed, "
+        print(f"stuck stream: {stuck.sent} rejections and {stuck_state.plans.plan_version} plans owed, "
               f"{stream.dropped} dropped, queue {stream.queue.qsize()}/{config.send_queue_size}")
         assert servicer.streams["stuck"] is stream and not running.tasks[0].done()  # housekeeping alive
     finally:

@@ -666,7 +666,7 @@ def test_random_and_mutated_bytes_on_a_stream(rig):
     seen = {"step_id": 0}
 
     async def last_step_id() -> int:
-        return rig.server.controller.workers[hello.worker_id].last_step_id
+        return rig.server.controller.workers[hello.worker_id].session.last_step_id
 
     @budget(ci_examples=500)
     @given(st.lists(JUNK, min_size=1, max_size=4))
@@ -821,7 +821,7 @@ def test_a_nack_with_a_wrong_nonce_leaves_the_plan_in_flight(rig):
     # that follow it (a plan, maybe a decisions push too) are all accepted.
     assert [_names(g) for g in got[:1 + len(acks)]] == [[("REJECT_REASON_UNKNOWN_PLAN", "nack")]] + [[]] * len(acks)
     state = rig.server.controller.workers["fuzz-nack"]
-    assert version not in state.pending and state.nacks == 0
+    assert version not in state.plans.pending and state.counters.nacks == 0
 
 
 def test_a_hello_on_an_open_stream_moves_the_stream_to_the_new_drafter_version(rig):

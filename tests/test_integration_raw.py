@@ -45,7 +45,8 @@ def worker(running, worker_id: str):
     (a raw client's Hello may still be on its way when a test first looks)."""
     from types import SimpleNamespace
 
-    return running.controller.workers.get(worker_id) or SimpleNamespace(steps_ingested=-1, acked_version=-1, nacks=0)
+    return running.controller.workers.get(worker_id) or SimpleNamespace(
+        steps_ingested=-1, plans=SimpleNamespace(acked_version=-1), counters=SimpleNamespace(nacks=0))
 
 
 def reports(*steps: worker_pb2.StepReport) -> worker_pb2.WorkerMessage:
@@ -137,7 +138,7 @@ async def test_restarted_worker_gets_its_plan_back_at_once(served):
     hello = make_hello("w-restart")
     first = await RawStream(channel, hello).open()
     plan = await first_plan(first)
-    await wait_for(lambda: worker(running, "w-restart").acked_version == plan.version)
+    await wait_for(lambda: worker(running, "w-restart").plans.acked_version == plan.version)
     await first.close()
 
     # The worker restarts: version 0, and nothing more is reported. The plan comes back unasked.
@@ -149,7 +150,7 @@ async def test_restarted_worker_gets_its_plan_back_at_once(served):
     [ws] = (await get_status(channel, "w-restart")).workers
     assert ws.acked_plan_version == 0 and not ws.HasField("plan")  # it runs its fallback until it ACKs
     await restarted.ack(again)
-    await wait_for(lambda: worker(running, "w-restart").acked_version == again.version)
+    await wait_for(lambda: worker(running, "w-restart").plans.acked_version == again.version)
     [ws] = (await get_status(channel, "w-restart")).workers
     assert ws.plan.version == again.version and list(ws.plan.table) == list(plan.table)
 
@@ -219,7 +220,7 @@ async def _decide_names_its_plan(running, channel) -> None:
         assert response.plan_version >= 1
         # The decisions come from the plan the answer names, and that plan is in force now.
         assert ws.acked_plan_version == response.plan_version == ws.plan.version
-        cell = running.controller.workers[wid].in_force.table.lookup(1, 300)
+        cell = running.controller.workers[wid].plans.in_force.table.lookup(1, 300)
         got = response.decisions[0]
         assert (got.depth, got.width, got.max_nodes) == (cell.depth, cell.width, cell.max_nodes)
         assert ws.session == controller_pb2.WORKER_SESSION_UNARY
@@ -280,7 +281,7 @@ async def test_nack_returns_the_controllers_view_to_the_acked_plan(tmp_path: Pat
         stream = await RawStream(channel, make_hello("w-nack")).open()
         accepted = await first_plan(stream)
         assert {d.depth for d in accepted.table} == {4}
-        await wait_for(lambda: worker(running, "w-nack").acked_version == accepted.version)
+        await wait_for(lambda: worker(running, "w-nack").plans.acked_version == accepted.version)
 
         policy.write_text("policy: static\ndepth: 2\nwidth: 1\n")
         reload = channel.unary_unary(SERVICE + "ReloadPolicy", request_serializer=lambda b: b,
@@ -291,7 +292,7 @@ async def test_nack_returns_the_controllers_view_to_the_acked_plan(tmp_path: Pat
         assert {d.depth for d in refused.table} == {2}
         await stream.send(worker_pb2.WorkerMessage(nack=worker_pb2.Nack(
             version=refused.version, nonce=refused.nonce, reason="depth 2 is not allowed here")))
-        await wait_for(lambda: worker(running, "w-nack").nacks == 1)
+        await wait_for(lambda: worker(running, "w-nack").counters.nacks == 1)
 
         [ws] = (await get_status(channel, "w-nack")).workers
         assert ws.acked_plan_version == accepted.version and ws.plan.version == accepted.version
@@ -303,7 +304,7 @@ async def test_nack_returns_the_controllers_view_to_the_acked_plan(tmp_path: Pat
         await stream.steps(40)
         await asyncio.sleep(0.5)
         assert len(stream.of("plan")) == 2
-        assert running.controller.workers["w-nack"].current.table == running.controller.workers["w-nack"].in_force.table
+        assert running.controller.workers["w-nack"].plans.current.table == running.controller.workers["w-nack"].plans.in_force.table
         await stream.close()
     finally:
         await channel.close()

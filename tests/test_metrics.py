@@ -95,8 +95,8 @@ async def test_scrape_reports_acceptance_plans_and_rejections(server) -> None:
         w0 = ctl.workers["w0"]
         # Settled: every step ingested and planned on (no recompute is due any more) and every
         # plan acknowledged, so the plan, the metrics and the status below describe one state.
-        await wait_for(lambda: agent.plan_version >= 1 and w0.steps_total == len(sent) and w0.new_steps == 0
-                       and not w0.pending)
+        await wait_for(lambda: agent.plan_version >= 1 and w0.counters.steps_total == len(sent) and w0.plans.new_steps == 0
+                       and not w0.plans.pending)
         await wait_for(lambda: "w0" in server.status_site.history.latest_speedups())
         rejection = await send_bad_report(server.address)
         assert rejection.rejection.field.endswith("accepted")
@@ -136,7 +136,7 @@ async def test_scrape_reports_acceptance_plans_and_rejections(server) -> None:
         assert accepted["4096-8192", "1"] / drafted["4096-8192", "1"] == pytest.approx(0.4, abs=0.08)
 
         # The plan in force, cell by cell, as the controller holds it, and its cell at the current load.
-        table = ctl.workers["w0"].current.table
+        table = ctl.workers["w0"].plans.current.table
         depth = values(m["specctl_plan_draft_depth"], worker="w0")
         width = values(m["specctl_plan_tree_width"], worker="w0")
         assert len(depth) == len(width) == len(table.batch_edges) * len(table.context_edges)
@@ -145,7 +145,7 @@ async def test_scrape_reports_acceptance_plans_and_rejections(server) -> None:
                 key = (("batch_bucket", bl), ("context_bucket", cl), ("drafter_version", "heads-a"), ("worker", "w0"))
                 assert (depth[key], width[key]) == (table.cell(b, c).depth, table.cell(b, c).width)
         state = ctl.workers["w0"]
-        now = table.lookup(round(state.batch_ema), int(mean_context_len(state)))
+        now = table.lookup(round(state.load.batch_ema), int(mean_context_len(state)))
         assert values(m["specctl_decision_draft_depth"], worker="w0") == {
             (("drafter_version", "heads-a"), ("worker", "w0")): now.depth}
         assert values(m["specctl_decision_speculation_enabled"], worker="w0") == {
@@ -153,8 +153,8 @@ async def test_scrape_reports_acceptance_plans_and_rejections(server) -> None:
 
         state = ctl.workers["w0"]
         pushes = values(m["specctl_plan_pushes"], worker="w0")
-        assert pushes[(("kind", "plan"), ("worker", "w0"))] == state.plans_pushed >= 1
-        assert values(m["specctl_plan_acks"], worker="w0") == {(("worker", "w0"),): state.plans_pushed + state.decisions_pushed}
+        assert pushes[(("kind", "plan"), ("worker", "w0"))] == state.counters.plans_pushed >= 1
+        assert values(m["specctl_plan_acks"], worker="w0") == {(("worker", "w0"),): state.counters.plans_pushed + state.counters.decisions_pushed}
         assert values(m["specctl_plan_nacks"], worker="w0") == {(("worker", "w0"),): 0}
         assert values(m["specctl_steps"], worker="w0") == {(("worker", "w0"),): len(sent)}
         assert values(m["specctl_estimated_goodput_tokens_per_second"], worker="w0")[(("worker", "w0"),)] > 0

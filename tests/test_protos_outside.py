@@ -124,7 +124,7 @@ async def test_code_generated_outside_completes_hello_steps_plan_ack(tmp_path: P
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split()[0] == "ok"
     assert result.stdout.split()[2:] == ["speculation/v1/worker.proto", "speculation/v1/worker.proto"]
-    assert server.controller.workers["outsider"].acked_version >= 1
+    assert server.controller.workers["outsider"].plans.acked_version >= 1
 
 
 async def _reflect(address: str, service: str, request: reflection_pb2.ServerReflectionRequest):

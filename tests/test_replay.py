@@ -133,7 +133,7 @@ async def test_record_then_replay_on_a_real_server(tmp_path):
             await asyncio.sleep(0.005)
         await wait_for(lambda: running.controller.workers.get("w-rec") is not None
                        and running.controller.workers["w-rec"].steps_ingested == rounds)
-        await wait_for(lambda: not running.controller.workers["w-rec"].active)
+        await wait_for(lambda: not running.controller.workers["w-rec"].requests.active)
     finally:
         agent.close()
         await running.stop(0)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from policies.base import DrafterLimits
+from policies.chain import expected_chain_accepted
 from policies.table import Decision
-from worker.sim.acceptance import PROFILES, AcceptanceModel, expected_chain_accepted
+from worker.sim.acceptance import PROFILES, AcceptanceTruth
 from worker.sim.hardware import CostModel, HardwareProfile, HARDWARE_PROFILES
 from worker.sim.runner import run_fleet_simulated, run_realtime, run_simulated
 from worker.sim.scenario import ScenarioError, load_scenario, scenario_from_dict, shipped_scenarios
@@ -60,7 +61,7 @@ def test_small_batch_is_memory_bound_and_verification_is_almost_free():
     eight = cost.verify_ms(8, 2000, 8 * 2000)
     assert cost.regime(8, 2000, 8 * 2000) == "memory"
     assert eight / one < 1.01
-    alpha = AcceptanceModel(PROFILES["eagle"], 8192).chain_alpha(2000, "chat", 0.0)
+    alpha = AcceptanceTruth(PROFILES["eagle"], 8192).chain_alpha(2000, "chat", 0.0)
     assert goodput(cost, 1, 2000, 5, alpha) > 2.5 * goodput(cost, 1, 2000, 0, alpha)
 
 
@@ -74,7 +75,7 @@ def test_large_batch_short_context_is_compute_bound_and_speculation_loses():
     slope = (cost.verify_ms(8 * batch, batch * ctx, 8 * batch * ctx) - four) / (4 * batch)
     assert slope == pytest.approx(cost.compute_ms(1), rel=0.05)
     assert four / off > 3.0
-    alpha = AcceptanceModel(PROFILES["eagle"], 8192).chain_alpha(ctx, "chat", 0.0)
+    alpha = AcceptanceTruth(PROFILES["eagle"], 8192).chain_alpha(ctx, "chat", 0.0)
     g_off = goodput(cost, batch, ctx, 0, alpha)
     assert all(goodput(cost, batch, ctx, d, alpha) < g_off for d in (1, 2, 3, 5))
 
@@ -91,7 +92,7 @@ def test_long_context_large_batch_is_kv_bound_and_speculation_pays_again():
     # The same batch at short context is compute-bound (regime 2) ...
     assert cost.regime(8 * batch, batch * 512, 8 * batch * 512) == "compute"
     # ... but at 32k speculation pays even with acceptance decayed past the 8k training length.
-    alpha = AcceptanceModel(PROFILES["eagle"], 8192).chain_alpha(ctx, "chat", 0.0)
+    alpha = AcceptanceTruth(PROFILES["eagle"], 8192).chain_alpha(ctx, "chat", 0.0)
     assert alpha[0] < 0.7
     assert goodput(cost, batch, ctx, 3, alpha) > 1.3 * goodput(cost, batch, ctx, 0, alpha)
 
@@ -116,7 +117,7 @@ def test_draft_costs_by_kind():
 # -- acceptance --------------------------------------------------------------
 def test_rank_probs_are_valid_distributions():
     for name, profile in PROFILES.items():
-        model = AcceptanceModel(profile, 8192, max_width=8)
+        model = AcceptanceTruth(profile, 8192, max_width=8)
         for ctx in (0, 1000, 8192, 50_000, 128_000):
             for mult in (0.7, 1.0, 1.3):
                 q = model.true_rank_probs(ctx, "chat", 0.0, mult)
@@ -127,7 +128,7 @@ def test_rank_probs_are_valid_distributions():
 
 
 def test_acceptance_decays_with_context_gently_inside_steeply_beyond():
-    model = AcceptanceModel(PROFILES["eagle"], trained_context_len=8192)
+    model = AcceptanceTruth(PROFILES["eagle"], trained_context_len=8192)
     ctxs = [0, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
     a1 = [model.chain_alpha(c, "chat", 0.0)[0] for c in ctxs]
     assert all(b < a for a, b in zip(a1, a1[1:]))
@@ -144,11 +145,11 @@ def test_acceptance_decays_with_context_gently_inside_steeply_beyond():
 
 def test_medusa_and_eagle_expected_lengths_match_design_numbers():
     for name, d, w, n, lo, hi in [("eagle", 7, 8, 60, 4.0, 5.5), ("medusa", 4, 8, 64, 2.2, 3.6)]:
-        model = AcceptanceModel(PROFILES[name], 8192)
+        model = AcceptanceTruth(PROFILES[name], 8192)
         q = model.true_rank_probs(800, "chat", 0.0)
         tree = build_tree(q, d, w, n)
         assert lo <= 1 + exact_tree_expectation(tree, q) <= hi
-    q = AcceptanceModel(PROFILES["medusa"], 8192).true_rank_probs(800, "chat", 0.0)
+    q = AcceptanceTruth(PROFILES["medusa"], 8192).true_rank_probs(800, "chat", 0.0)
     assert q[0, 0] == pytest.approx(0.6, abs=0.01)
 
 
@@ -269,7 +270,7 @@ def test_vectorised_outcomes_match_single():
 
 @pytest.mark.parametrize("depth", [1, 3, 6])
 def test_chain_mean_accepted_matches_formula(depth):
-    q = AcceptanceModel(PROFILES["eagle"], 8192).true_rank_probs(2000, "chat", 0.0)
+    q = AcceptanceTruth(PROFILES["eagle"], 8192).true_rank_probs(2000, "chat", 0.0)
     tree = build_tree(q, depth, 1, depth)
     n = 20000
     acc, _, _ = sample_outcomes([tree] * n, np.broadcast_to(q, (n,) + q.shape), np.random.default_rng(depth).random((n, 8)))
@@ -280,7 +281,7 @@ def test_chain_mean_accepted_matches_formula(depth):
 
 
 def test_tree_mean_accepted_matches_sum_of_path_products():
-    q = AcceptanceModel(PROFILES["eagle"], 8192).true_rank_probs(2000, "chat", 0.0)
+    q = AcceptanceTruth(PROFILES["eagle"], 8192).true_rank_probs(2000, "chat", 0.0)
     tree = build_tree(q, 6, 4, 32)
     n = 20000
     acc, _, _ = sample_outcomes([tree] * n, np.broadcast_to(q, (n,) + q.shape), np.random.default_rng(9).random((n, 8)))
@@ -291,7 +292,7 @@ def test_tree_mean_accepted_matches_sum_of_path_products():
 
 def test_tree_cache_reuses_shapes():
     cache = TreeCache(maxsize=2)
-    q = AcceptanceModel(PROFILES["eagle"], 8192).true_rank_probs(2000, "chat", 0.0)
+    q = AcceptanceTruth(PROFILES["eagle"], 8192).true_rank_probs(2000, "chat", 0.0)
     a = cache.get(quantize(q), 5, 4, 20)
     b = cache.get(quantize(q * (1 + 1e-6)), 5, 4, 20)
     assert a is b and cache.hits == 1

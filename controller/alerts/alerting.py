@@ -31,11 +31,12 @@ from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
 from controller.alerts.proto import alert_to_proto
+from controller.alerts.sinks import CommandSink, LogSink, Sink, WebhookSink
+from controller.alerts.store import StateStore
 from controller.config import AlertSettings, ServerConfig
 from controller.drift.alerts import DriftAlert, Status
 from controller.drift.monitor import AcceptanceDriftMonitor, MonitorConfig
-from controller.alerts.sinks import CommandSink, LogSink, Sink, WebhookSink
-from controller.alerts.store import StateStore
+from controller.protocol import RequestRow
 from protos.speculation.v1 import controller_pb2
 
 log = logging.getLogger("specctl.alerting")
@@ -112,19 +113,20 @@ class MonitorFeed:
         self._window_busy = self._window_budget = 0.0
 
     # ------------------------------------------------------------ ingest path
-    def on_rows(self, state: Any, step: Any, rows: Sequence[tuple]) -> None:
+    def on_rows(self, state: Any, step: Any, rows: Sequence[RequestRow]) -> None:
         """``Controller.on_step_rows`` hook: keep the subset's rows of one applied step."""
         threshold = self._threshold
         requests = None
         kept = []
         crc32 = zlib.crc32
         for j, row in enumerate(rows):
-            if threshold < HASH_SPACE and crc32(row[0].encode()) >= threshold:
+            if threshold < HASH_SPACE and crc32(row.request_id.encode()) >= threshold:
                 continue
             if requests is None:
                 requests = step.requests
             # (context_len, accepted, depth, ranks, candidates, domain) in observe_request's order
-            kept.append((row[1], row[5], row[2], row[6] or (), row[7] or (), requests[j].domain))
+            kept.append((row.context_len, row.accepted, row.depth, row.accepted_rank or (), row.level_candidates or (),
+                         requests[j].domain))
         if not kept:
             return
         self._buffer.append((state.limits, state.worker_id, step.timestamp, kept))

@@ -18,8 +18,10 @@ truncated at other depths simply contribute fewer trials.
 
 An outcome is keyed by ``(accepted_rank, level_candidates)`` tuples (the
 wire format of ``RequestStep``); :func:`outcome_key` builds the key from the
-chain shorthand too. :func:`key_bins` turns a key into a vector of
-``2 × depth × width`` counts: successes then failures per cell.
+chain shorthand too. :func:`key_trials` turns a key into the cells it
+succeeded and failed in (the censoring rule, for this module and the
+acceptance model alike); :func:`key_bins` into a vector of ``2 × depth ×
+width`` counts: successes then failures per cell.
 """
 
 from __future__ import annotations
@@ -70,18 +72,25 @@ def key_accepted(key: OutcomeKey) -> int:
 
 
 @lru_cache(maxsize=65536)
-def key_bins(key: OutcomeKey, max_depth: int, max_width: int) -> np.ndarray:
-    """Trials of one outcome: ``[2 * max_depth * max_width]`` = successes, then failures.
+def key_trials(key: OutcomeKey, max_depth: int, max_width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The censored trials of one outcome: cells that succeeded, cells that failed.
 
-    Cell ``(k, r)`` sits at index ``k * max_width + r`` (0-based). Ranks before
-    the accepted one were offered and refused; ranks after it were never
-    tested and stay untouched, as do levels past the rejection.
+    The one place the rule lives (the acceptance model's posteriors and the
+    drift detectors both count with it). Cell ``(k, r)`` (0-based) is index
+    ``k * max_width + r``. At each level reached, ranks before the accepted
+    one were offered and refused and the accepted one succeeded; at a level
+    where nothing was accepted every offered rank failed. Ranks after the
+    accepted one were never tested and stay untouched (censored), as do
+    levels past the rejection, levels past ``max_depth`` and ranks past
+    ``max_width``. Each cell appears at most once.
 
-    >>> key_bins(((2, 0), (3, 2)), max_depth=2, max_width=3).reshape(2, 2, 3).tolist()
-    [[[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]], [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]]
+    >>> key_trials(((2, 0), (3, 2)), max_depth=2, max_width=3)
+    ((1,), (0, 3, 4))
+    >>> key_trials(chain_key(2, 4), max_depth=4, max_width=1)  # a chain: τ successes, then one failure
+    ((0, 1), (2,))
     """
-    cells = max_depth * max_width
-    out = np.zeros(2 * cells)
+    won: list[int] = []
+    lost: list[int] = []
     ranks, offered = key
     for level, (rank, n_offered) in enumerate(zip(ranks, offered)):
         if level >= max_depth:
@@ -89,10 +98,25 @@ def key_bins(key: OutcomeKey, max_depth: int, max_width: int) -> np.ndarray:
         base = level * max_width
         tested = min(n_offered, max_width) if rank == 0 else min(rank, max_width)
         for r in range(tested):
-            if r + 1 == rank:
-                out[base + r] += 1.0
-            else:
-                out[cells + base + r] += 1.0
+            (won if r + 1 == rank else lost).append(base + r)
+    return tuple(won), tuple(lost)
+
+
+@lru_cache(maxsize=65536)
+def key_bins(key: OutcomeKey, max_depth: int, max_width: int) -> np.ndarray:
+    """Trials of one outcome (:func:`key_trials`) as ``[2 * max_depth * max_width]``
+    counts: successes, then failures; cell ``(k, r)`` at ``k * max_width + r``.
+
+    >>> key_bins(((2, 0), (3, 2)), max_depth=2, max_width=3).reshape(2, 2, 3).tolist()
+    [[[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]], [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]]
+    """
+    cells = max_depth * max_width
+    out = np.zeros(2 * cells)
+    won, lost = key_trials(key, max_depth, max_width)
+    for cell in won:
+        out[cell] += 1.0
+    for cell in lost:
+        out[cells + cell] += 1.0
     out.setflags(write=False)
     return out
 
@@ -123,15 +147,6 @@ def trials(bins: np.ndarray) -> np.ndarray:
     """Trials per cell (successes + failures): ``[..., cells]``."""
     cells = bins.shape[-1] // 2
     return bins[..., :cells] + bins[..., cells:]
-
-
-def expected_chain_tau(alpha: np.ndarray, depth: int) -> float:
-    """``E[τ | chain of depth d] = Σ_{k≤d} Π_{j≤k} α_j`` (docs/design.md §3).
-
-    >>> round(expected_chain_tau(np.array([0.8, 0.8, 0.8]), 3), 3)
-    1.952
-    """
-    return float(np.cumprod(np.asarray(alpha, dtype=np.float64)[:depth]).sum())
 
 
 def tau_histogram(keys_counts: dict[OutcomeKey, int] | Sequence[tuple[OutcomeKey, int]], max_depth: int) -> list[int]:

@@ -76,10 +76,10 @@ from controller.drift.accept_chi2 import AcceptLengthChiSquare
 from controller.drift.alerts import Action, DriftAlert, Severity, Status
 from controller.drift.base import check_choice, check_float, check_int
 from controller.drift.calibration import cached, cusum_threshold, path_laws
-from controller.drift.cells import (OutcomeKey, chain_key, expected_chain_tau, key_bins, keys_matrix, sticks,
-                                   tau_histogram)
+from controller.drift.cells import OutcomeKey, chain_key, key_bins, keys_matrix, sticks, tau_histogram
 from controller.drift.cusum import CUSUM
 from controller.drift.multitest import adjust
+from policies.chain import expected_chain_accepted
 
 log = logging.getLogger("specctl.drift")
 
@@ -701,8 +701,8 @@ class AcceptanceDriftMonitor:
         depth = int(reached[-1]) + 1 if reached.size else 1
         a_base = sticks(base, v.max_depth, v.max_width)[:, 0]
         a_cur = np.where(cur_trials >= 20, sticks(cur, v.max_depth, v.max_width)[:, 0], a_base)
-        e_base = expected_chain_tau(a_base, depth)
-        return expected_chain_tau(a_cur, depth) / e_base - 1.0 if e_base > 0 else 0.0
+        e_base = expected_chain_accepted(a_base, depth)
+        return expected_chain_accepted(a_cur, depth) / e_base - 1.0 if e_base > 0 else 0.0
 
     # ------------------------------------------------- beyond trained context
     def _count_share(self, v: _Version, context_len: int, accepted: int, depth: int, ranks: Sequence[int],
@@ -742,8 +742,8 @@ class AcceptanceDriftMonitor:
         cur_bins = sum((n * key_bins(k, v.max_depth, v.max_width) for k, n in counts.items()), np.zeros(c2))
         a_base = sticks(base_bins, v.max_depth, v.max_width)[:, 0]
         a_cur = sticks(cur_bins, v.max_depth, v.max_width)[:, 0]
-        e_base = expected_chain_tau(a_base, v.max_depth)
-        delta = expected_chain_tau(a_cur, v.max_depth) / e_base - 1.0 if base_counts and e_base > 0 else 0.0
+        e_base = expected_chain_accepted(a_base, v.max_depth)
+        delta = expected_chain_accepted(a_cur, v.max_depth) / e_base - 1.0 if base_counts and e_base > 0 else 0.0
         L = v.trained_context_len
         # Traffic may run past L from the start: then nothing inside L has a baseline to compare with.
         compared = (f"E[τ] there {delta:+.1%} vs within" if base_counts

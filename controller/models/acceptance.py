@@ -12,7 +12,8 @@ is the probability that rank ``r`` is the accepted one and a chain's
 ``α_k = s[k, 1]``. Each ``s[k, r]`` has a Beta posterior. Censoring is
 handled by construction: a step only updates the (position, rank) cells it
 actually offered, so positions past a rejection, depths beyond the one used
-and ranks beyond the candidates offered stay untouched.
+and ranks beyond the candidates offered stay untouched (the rule is
+:func:`controller.drift.cells.key_trials`, shared with the drift detectors).
 
 Forgetting keeps the model following change: the data part of every
 posterior decays with a half-life in seconds of the caller's clock, and each
@@ -45,7 +46,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from controller.drift.cells import outcome_key
+from controller.drift.cells import chain_key, key_trials, outcome_key
 
 @dataclass(frozen=True)
 class AcceptancePrior:
@@ -94,34 +95,25 @@ class StratumPosterior:
         self.offered = [0.0] * cells
 
     def observe(self, accepted_rank: Sequence[int], level_candidates: Sequence[int]) -> None:
-        """Add one request-step's per-position outcome (validated upstream)."""
-        width = self.max_width
-        succ, fail = self.succ, self.fail
-        for level, (rank, offered) in enumerate(zip(accepted_rank, level_candidates)):
-            if level >= self.max_depth:
-                break
-            base = level * width
-            # Ranks before the accepted one were offered and refused; ranks
-            # after it were never tested (censored) and stay untouched.
-            tested = min(offered, width) if rank == 0 else min(rank, width)
-            for r in range(tested):
-                if r + 1 == rank:
-                    succ[base + r] += 1.0
-                else:
-                    fail[base + r] += 1.0
+        """Add one request-step's per-position outcome (validated upstream):
+        the cells :func:`~controller.drift.cells.key_trials` says it tested."""
+        self._add(key_trials((tuple(accepted_rank), tuple(level_candidates)), self.max_depth, self.max_width), 1.0)
         self.observations += 1
 
     def observe_chain(self, depth: int, accepted: int, count: float = 1.0) -> None:
         """``count`` chain steps of ``depth`` that accepted ``accepted`` tokens:
         positions 1..τ succeeded at rank 1, position τ+1 failed, the rest are
         censored."""
-        width = self.max_width
-        succ = self.succ
-        for level in range(min(accepted, self.max_depth)):
-            succ[level * width] += count
-        if accepted < depth and accepted < self.max_depth:
-            self.fail[accepted * width] += count
+        self._add(key_trials(chain_key(accepted, depth), self.max_depth, self.max_width), count)
         self.observations += count
+
+    def _add(self, trials: tuple[tuple[int, ...], tuple[int, ...]], count: float) -> None:
+        won, lost = trials
+        succ, fail = self.succ, self.fail
+        for cell in won:
+            succ[cell] += count
+        for cell in lost:
+            fail[cell] += count
 
     def observe_offers(self, asked: float, offered: float, level: int = 0, rank: int = 0) -> None:
         """``asked`` times the step reached ``level`` (0-based) with the
@@ -254,15 +246,6 @@ def sticks_to_rank_probs(sticks: np.ndarray) -> np.ndarray:
     survive = np.cumprod(1.0 - sticks, axis=1)
     before = np.concatenate([np.ones_like(sticks[:, :1]), survive[:, :-1]], axis=1)
     return sticks * before
-
-
-def expected_chain_accepted(alpha: np.ndarray) -> float:
-    """E[τ | chain of depth len(alpha)] = Σ_k Π_{j≤k} α_j.
-
-    >>> round(expected_chain_accepted(np.array([0.8, 0.8, 0.8])), 3)
-    1.952
-    """
-    return float(np.cumprod(alpha).sum())
 
 
 DrafterKey = tuple[str, str]  # (kind, version)

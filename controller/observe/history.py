@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from controller.observe.metrics import acceptance_by_position, bucket_labels, mean_context_len, reason_label
-from policies.base import LoadProfile, Observation
+from policies.base import Observation
 from policies.goodput import observed_mix, table_goodput
 from protos.speculation.v1 import controller_pb2
 
@@ -54,7 +54,7 @@ def estimated_goodputs(controller: "Controller", state: "WorkerState") -> tuple[
     is ``table_goodput`` of an all-off table, priced directly: one token per
     request per step of the verify cost.
     """
-    if state.current is None:
+    if state.plans.current is None:
         return None
     limits = state.limits
     obs = Observation(
@@ -65,16 +65,12 @@ def estimated_goodputs(controller: "Controller", state: "WorkerState") -> tuple[
         context_edges=controller.context_edges,
         acceptance=controller.acceptance.view(state.drafter_key, limits.max_depth, limits.max_width),
         cost=state.cost.params,
-        load=LoadProfile(
-            mean_batch_size=max(state.batch_ema, 1.0),
-            context_share=tuple(state.context_share) if state.context_share is not None else (),
-            context_mean=tuple(state.context_mean) if state.context_mean is not None else (),
-        ),
+        load=state.load.profile(),
     )
     share, means = observed_mix(obs)
     batch = obs.load.mean_batch_size
     plain_ms = float(obs.cost.verify_ms(batch, batch * float(np.dot(share, means))))
-    return table_goodput(state.current.table, obs), 1000.0 * batch / max(plain_ms, 1e-9)
+    return table_goodput(state.plans.current.table, obs), 1000.0 * batch / max(plain_ms, 1e-9)
 
 
 def _finite(x: float) -> float | None:
@@ -182,23 +178,24 @@ class StatusHistory:
         h = self._history(state.worker_id)
         h.t.append(now)
         h.drafter_version.append(state.limits.version)
-        h.plan_version.append(state.acked_version)
+        h.plan_version.append(state.plans.acked_version)
         alpha, tau_share = self._acceptance(h, state, len(self.controller.context_edges))
         h.alpha.append(alpha)
         h.tau_share.append(tau_share)
-        key = (state.steps_total, state.plan_version, state.connected)
+        key = (state.counters.steps_total, state.plans.plan_version, state.session.connected)
         if key != h.estimate_key:  # the models and the load move only with new steps
             h.estimate_key = key
-            goodputs = estimated_goodputs(self.controller, state) if state.connected else None
+            goodputs = estimated_goodputs(self.controller, state) if state.session.connected else None
             if goodputs is None or goodputs[1] <= 0:
                 h.estimate = (None, None)
             else:
                 h.estimate = (_finite(goodputs[0] / goodputs[1]), _finite(goodputs[0]))
         h.speedup.append(h.estimate[0])
         h.estimated_goodput.append(h.estimate[1])
-        live = state.connected and state.current is not None
-        h.expected_goodput.append(state.current.expected_goodput_tok_s if live else None)
-        h.realised_goodput.append(state.observed_goodput() if state.connected and state.steps_total else None)
+        live = state.session.connected and state.plans.current is not None
+        h.expected_goodput.append(state.plans.current.expected_goodput_tok_s if live else None)
+        realised = state.session.connected and state.counters.steps_total
+        h.realised_goodput.append(state.load.observed_goodput() if realised else None)
         self.samples += 1
 
     @staticmethod
@@ -267,25 +264,25 @@ class StatusHistory:
             "drafter_kind": state.limits.kind,
             "drafter_version": state.limits.version,
             "max_depth": state.limits.max_depth,
-            "connected": state.connected,
-            "session": "unary" if state.session == controller_pb2.WORKER_SESSION_UNARY else "stream",
-            "idle_s": max(self.controller.clock() - state.last_seen_at, 0.0),
-            "expired": state.expired,
-            "streams_superseded": state.streams_superseded,
-            "steps_received": state.steps_received,
+            "connected": state.session.connected,
+            "session": "unary" if state.session.kind == controller_pb2.WORKER_SESSION_UNARY else "stream",
+            "idle_s": max(self.controller.clock() - state.session.last_seen_at, 0.0),
+            "expired": state.session.expired,
+            "streams_superseded": state.counters.streams_superseded,
+            "steps_received": state.counters.steps_received,
             # The worker's own count (Hello.telemetry_loss) of what its telemetry lost.
             "telemetry_loss": {"steps_dropped": h.telemetry_loss.steps_dropped,
                                "steps_unconfirmed": h.telemetry_loss.steps_unconfirmed,
                                "finished_dropped": h.telemetry_loss.finished_dropped},
-            "plan_version": state.plan_version,
-            "acked_plan_version": state.acked_version,
-            "plans_pushed": state.plans_pushed,
-            "acks": state.acks,
-            "nacks": state.nacks,
-            "steps": state.steps_total,
-            "mean_batch_size": state.batch_ema,
+            "plan_version": state.plans.plan_version,
+            "acked_plan_version": state.plans.acked_version,
+            "plans_pushed": state.counters.plans_pushed,
+            "acks": state.counters.acks,
+            "nacks": state.counters.nacks,
+            "steps": state.counters.steps_total,
+            "mean_batch_size": state.load.batch_ema,
             "mean_context_len": mean_context_len(state),
-            "realised_goodput_tok_s": state.observed_goodput(),
+            "realised_goodput_tok_s": state.load.observed_goodput(),
             "estimated_speedup": history.speedup[-1] if history is not None and history.speedup else None,
             "detail": detail,
             "plan": None,
@@ -293,8 +290,8 @@ class StatusHistory:
         }
         if not detail:
             return out
-        if state.in_force is not None:  # what the worker acknowledged, not a plan merely sent
-            table = state.in_force.table
+        if state.plans.in_force is not None:  # what the worker acknowledged, not a plan merely sent
+            table = state.plans.in_force.table
             rows = [table.row(b) for b in range(len(table.batch_edges))]
             out["plan"] = {
                 "batch_edges": list(table.batch_edges),
@@ -304,7 +301,7 @@ class StatusHistory:
                 "depth": [[d.depth for d in row] for row in rows],
                 "width": [[d.width for d in row] for row in rows],
                 "max_nodes": [[d.max_nodes for d in row] for row in rows],
-                "expected_goodput_tok_s": state.in_force.expected_goodput_tok_s,
+                "expected_goodput_tok_s": state.plans.in_force.expected_goodput_tok_s,
             }
         out["history"] = (history or WorkerHistory(0)).to_dict()
         return out

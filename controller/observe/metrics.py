@@ -159,15 +159,13 @@ class MetricsSnapshot:
 
 def mean_context_len(state: "WorkerState") -> float:
     """The worker's mean context length over its recent load (0 before any)."""
-    if state.context_share is None or state.context_mean is None:
-        return 0.0
-    return float(np.dot(state.context_share, state.context_mean))
+    return state.load.mean_context_len()
 
 
 def _decision_now(state: "WorkerState") -> Decision | None:
-    if state.current is None:
+    if state.plans.current is None:
         return None
-    return state.current.table.lookup(max(1, round(state.batch_ema)), int(mean_context_len(state)))
+    return state.plans.current.table.lookup(max(1, round(state.load.batch_ema)), int(mean_context_len(state)))
 
 
 def take_snapshot(controller: "Controller", history: "StatusHistory | None" = None,
@@ -176,17 +174,18 @@ def take_snapshot(controller: "Controller", history: "StatusHistory | None" = No
     workers = []
     now = controller.clock()
     for s in controller.workers.values():
-        h = s.hello
+        h, c, plans, session = s.hello, s.counters, s.plans, s.session
         loss = h.telemetry_loss
+        current = plans.current
         workers.append(WorkerFacts(
-            s.worker_id, h.engine, h.model, h.hardware.accelerator, s.limits.kind, s.limits.version, s.connected,
-            s.steps_total, s.tokens_total, s.step_ms_total / 1000.0, s.batch_ema, s.observed_goodput(),
-            s.plan_version, s.acked_version, s.plans_pushed, s.decisions_pushed, s.acks, s.nacks,
-            dict(s.rejections), s.current.table if s.current else None,
-            s.current.expected_goodput_tok_s if s.current else 0.0, _decision_now(s),
-            session="unary" if s.session == controller_pb2.WORKER_SESSION_UNARY else "stream",
-            idle_seconds=max(now - s.last_seen_at, 0.0), expired=s.expired, plans_used=s.plans_used,
-            streams_superseded=s.streams_superseded, steps_received=s.steps_received,
+            s.worker_id, h.engine, h.model, h.hardware.accelerator, s.limits.kind, s.limits.version, session.connected,
+            c.steps_total, c.tokens_total, c.step_ms_total / 1000.0, s.load.batch_ema, s.load.observed_goodput(),
+            plans.plan_version, plans.acked_version, c.plans_pushed, c.decisions_pushed, c.acks, c.nacks,
+            dict(c.rejections), current.table if current else None,
+            current.expected_goodput_tok_s if current else 0.0, _decision_now(s),
+            session="unary" if session.kind == controller_pb2.WORKER_SESSION_UNARY else "stream",
+            idle_seconds=max(now - session.last_seen_at, 0.0), expired=session.expired, plans_used=c.plans_used,
+            streams_superseded=c.streams_superseded, steps_received=c.steps_received,
             telemetry_loss=(loss.steps_dropped, loss.steps_unconfirmed, loss.finished_dropped)))
     drift = None
     if alerting is not None:

@@ -9,8 +9,9 @@
 - :mod:`worker.sim.runner`: simulated-time and real-time drivers.
 """
 
+from policies.chain import expected_chain_accepted
 from worker.sim.acceptance import PROFILES as ACCEPTANCE_PROFILES
-from worker.sim.acceptance import AcceptanceModel, AcceptanceProfile, expected_chain_accepted
+from worker.sim.acceptance import AcceptanceProfile, AcceptanceTruth
 from worker.sim.hardware import HARDWARE_PROFILES, MODEL_PROFILES, CostModel, HardwareProfile, ModelProfile
 from worker.sim.runner import RunResult, run_fleet_simulated, run_realtime, run_simulated
 from worker.sim.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, shipped_scenarios
@@ -18,8 +19,8 @@ from worker.sim.worker import HelloInfo, SimWorker, StepResult, WorkerStats
 
 __all__ = [
     "ACCEPTANCE_PROFILES",
-    "AcceptanceModel",
     "AcceptanceProfile",
+    "AcceptanceTruth",
     "CostModel",
     "HARDWARE_PROFILES",
     "HardwareProfile",

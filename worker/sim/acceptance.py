@@ -5,7 +5,8 @@ the drafter's confidence), ``q[k, r]`` is the probability that the target
 accepts the rank-``r`` candidate, given positions ``< k`` were accepted.
 Candidates are mutually exclusive, so ``Σ_r q[k, r] ≤ 1`` and the remainder is
 the chance that no candidate of that level is accepted. ``q[k, 1]`` is the
-per-position acceptance ``α_k`` of a chain (docs/design.md §2).
+per-position acceptance ``α_k`` of a chain (docs/design.md §2); a chain's
+expected accepted length is :func:`policies.chain.expected_chain_accepted`.
 
 Short-context rows come from a drafter profile::
 
@@ -40,7 +41,7 @@ Profiles (docs/design.md §6):
   0.5 (heads' top-k is flatter than EAGLE's): a 64-node tree accepts
   ``E[τ + 1] ≈ 2.8``, a depth-4 chain ≈ 2.1 (Medusa-1: 2.2-3.6x).
 
->>> model = AcceptanceModel(PROFILES["eagle"], trained_context_len=8192)
+>>> model = AcceptanceTruth(PROFILES["eagle"], trained_context_len=8192)
 >>> q = model.true_rank_probs(1000, "chat", 0.0)
 >>> q.shape, round(float(q[0, 0]), 3)
 ((8, 8), 0.792)
@@ -151,8 +152,10 @@ class Ramp:
         return max([self.initial] + [sp.value for sp in self.setpoints])
 
 
-class AcceptanceModel:
-    """Ground truth ``q`` for one worker's drafter.
+class AcceptanceTruth:
+    """Ground truth ``q`` for one worker's drafter: what the simulated target
+    really accepts (the controller's estimate of it is
+    ``controller.models.acceptance.AcceptanceModel``, which never sees this).
 
     Parameters
     ----------
@@ -221,13 +224,3 @@ class AcceptanceModel:
     def chain_alpha(self, context_len: int, domain: str, t: float, multiplier: float = 1.0) -> np.ndarray:
         """Per-position chain acceptance ``α_k`` = ``q[k, 1]``."""
         return self.true_rank_probs(context_len, domain, t, multiplier)[:, 0]
-
-
-def expected_chain_accepted(alpha: Sequence[float], depth: int | None = None) -> float:
-    """``E[τ | d] = Σ_{k ≤ d} Π_{j ≤ k} α_j`` (docs/design.md §3).
-
-    >>> round(expected_chain_accepted([0.5, 0.5]), 3)
-    0.75
-    """
-    a = np.asarray(alpha, dtype=np.float64)[: depth if depth is not None else None]
-    return float(np.cumprod(a).sum())

@@ -5,7 +5,10 @@ the drafter's confidences along its path, and nodes are added greedily, best
 value first, with at most ``width`` children per node, depth at most
 ``depth`` and at most ``max_nodes`` nodes (root excluded). Children of a node
 are its candidates ranked by confidence, so a node always has ranks
-``1..c`` and never a gap.
+``1..c`` and never a gap. The expansion is the one the goodput policy values
+trees with and the reference drafters build them with
+(:func:`policies.tree.grow_best_first`); :class:`TreeShape` keeps what the
+simulator needs of its result.
 
 The drafter's confidence used to build the tree is the true ``q`` rounded to
 1/256 (EAGLE-2 found draft confidence well calibrated; rounding lets trees be
@@ -32,21 +35,28 @@ TreeOutcome(accepted=1, accepted_rank=(2,), level_candidates=(2,))
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from policies.tree import grow_best_first
+
 CONF_SCALE = 256
 
 
 @dataclass(frozen=True, slots=True)
-class DraftTree:
-    """A draft tree in breadth-first order (node 0 = root, the last accepted token).
+class TreeShape:
+    """The shape of a draft tree in breadth-first order (node 0 = root, the last accepted token).
 
     ``child_count[i]`` children of node ``i`` are nodes
     ``first_child[i] .. first_child[i] + child_count[i] - 1`` in rank order.
+
+    A shape, not the drafters' ``DraftTree``: the simulator draws no tokens,
+    only which rank the target accepts at each level, so it keeps each
+    node's children as a contiguous rank-ordered range for the acceptance
+    walk of :func:`sample_outcomes` (the drafters' tree holds tokens and
+    confidences in the order the engine verifies them).
     """
 
     depth: int
@@ -62,7 +72,7 @@ class DraftTree:
         object.__setattr__(self, "children", tuple(zip(self.child_count.tolist(), self.first_child.tolist())))
 
 
-EMPTY_TREE = DraftTree(0, 0, 0, np.zeros(1, np.int64), np.zeros(1, np.int64), ())
+EMPTY_TREE = TreeShape(0, 0, 0, np.zeros(1, np.int64), np.zeros(1, np.int64), ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +82,9 @@ class TreeOutcome:
     level_candidates: tuple[int, ...]
 
 
-def build_tree(conf: np.ndarray, depth: int, width: int, max_nodes: int) -> DraftTree:
-    """Greedy best-first tree from confidences ``conf`` [levels, ranks].
+def build_tree(conf: np.ndarray, depth: int, width: int, max_nodes: int) -> TreeShape:
+    """Greedy best-first tree from confidences ``conf`` [levels, ranks]
+    (:func:`policies.tree.grow_best_first`, siblings in turn, zero values kept).
 
     Parameters
     ----------
@@ -87,31 +98,13 @@ def build_tree(conf: np.ndarray, depth: int, width: int, max_nodes: int) -> Draf
     width = min(width, conf.shape[1])
     if depth <= 0 or width <= 0 or max_nodes <= 0:
         return EMPTY_TREE
-    # Frontier entries: (-value, tiebreak, parent, level, rank); only the next
-    # sibling is pushed when a node is taken, so the heap stays small.
-    parent_of: list[int] = [-1]
-    level_of: list[int] = [0]
-    rank_of: list[int] = [0]
-    value_of: list[float] = [1.0]
-    counter = 0
-    heap = [(-float(conf[0, 0]), counter, 0, 1, 1)]
-    while heap and len(parent_of) <= max_nodes:
-        neg, _, parent, level, rank = heapq.heappop(heap)
-        idx = len(parent_of)
-        parent_of.append(parent)
-        level_of.append(level)
-        rank_of.append(rank)
-        value_of.append(-neg)
-        if rank < width:  # next sibling
-            counter += 1
-            heapq.heappush(heap, (-value_of[parent] * float(conf[level - 1, rank]), counter, parent, level, rank + 1))
-        if level < depth:  # first child
-            counter += 1
-            heapq.heappush(heap, (neg * float(conf[level, 0]), counter, idx, level + 1, 1))
-    n = len(parent_of)
+    rows = [[(c, None) for c in row] for row in conf[:depth].tolist()]
+    grown = grow_best_first(lambda level, _: rows[level], depth, width, max_nodes)
+    n = len(grown) + 1  # node 0 is the root
     children: list[list[int]] = [[] for _ in range(n)]
-    for i in range(1, n):
-        children[parent_of[i]].append(i)
+    for i, parent in enumerate(grown.parents):
+        children[parent + 1].append(i + 1)
+    rank_of = [0] + grown.ranks
     # Renumber breadth-first so that siblings are contiguous, in rank order.
     order = [0]
     for i in order:
@@ -124,12 +117,12 @@ def build_tree(conf: np.ndarray, depth: int, width: int, max_nodes: int) -> Draf
         if kids:
             child_count[new_id[old]] = len(kids)
             first_child[new_id[old]] = min(new_id[k] for k in kids)
-    max_level = max(level_of)
-    sizes = tuple(sum(1 for lv in level_of if lv == k) for k in range(1, max_level + 1))
-    return DraftTree(max_level, int(child_count.max()), n - 1, child_count, first_child, sizes)
+    max_level = max(grown.levels, default=0)
+    sizes = tuple(sum(1 for lv in grown.levels if lv == k) for k in range(1, max_level + 1))
+    return TreeShape(max_level, int(child_count.max()), n - 1, child_count, first_child, sizes)
 
 
-def chain_tree(depth: int) -> DraftTree:
+def chain_tree(depth: int) -> TreeShape:
     """The width-1 tree of ``depth`` nodes (what any confidence gives for width 1)."""
     tree = _CHAINS.get(depth)
     if tree is None:
@@ -137,11 +130,11 @@ def chain_tree(depth: int) -> DraftTree:
             return EMPTY_TREE
         cc = np.array([1] * depth + [0], np.int64)
         fc = np.array(list(range(1, depth + 1)) + [0], np.int64)
-        tree = _CHAINS[depth] = DraftTree(depth, 1, depth, cc, fc, (1,) * depth)
+        tree = _CHAINS[depth] = TreeShape(depth, 1, depth, cc, fc, (1,) * depth)
     return tree
 
 
-_CHAINS: dict[int, DraftTree] = {}
+_CHAINS: dict[int, TreeShape] = {}
 
 
 def quantize(q: np.ndarray) -> np.ndarray:
@@ -154,11 +147,11 @@ class TreeCache:
 
     def __init__(self, maxsize: int = 8192) -> None:
         self.maxsize = maxsize
-        self._trees: OrderedDict[tuple, DraftTree] = OrderedDict()
+        self._trees: OrderedDict[tuple, TreeShape] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    def get(self, qconf: np.ndarray, depth: int, width: int, max_nodes: int, key: bytes | None = None) -> DraftTree:
+    def get(self, qconf: np.ndarray, depth: int, width: int, max_nodes: int, key: bytes | None = None) -> TreeShape:
         """Tree for quantized confidences ``qconf`` [levels, ranks] (see :func:`quantize`).
 
         ``key`` may stand in for the confidences (e.g. ``qconf.tobytes()`` computed in bulk).
@@ -190,7 +183,7 @@ def sample_ranks(q: np.ndarray, u: np.ndarray) -> np.ndarray:
     return (cum <= u[..., None]).sum(axis=-1) + 1
 
 
-def sample_outcome(tree: DraftTree, q: np.ndarray, u: np.ndarray) -> TreeOutcome:
+def sample_outcome(tree: TreeShape, q: np.ndarray, u: np.ndarray) -> TreeOutcome:
     """Walk one tree with uniforms ``u`` (one per level); see the module docstring."""
     ranks = sample_ranks(q[: tree.depth], u[: tree.depth])
     node, accepted = 0, 0
@@ -212,7 +205,7 @@ def sample_outcome(tree: DraftTree, q: np.ndarray, u: np.ndarray) -> TreeOutcome
 
 
 def sample_outcomes(
-    trees: list[DraftTree], q: np.ndarray, u: np.ndarray
+    trees: list[TreeShape], q: np.ndarray, u: np.ndarray
 ) -> tuple[list[int], list[list[int]], list[list[int]]]:
     """:func:`sample_outcome` over a batch (ranks drawn in one vectorised pass).
 

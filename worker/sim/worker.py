@@ -39,7 +39,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from policies.table import Decision
-from worker.sim.acceptance import AcceptanceModel, Ramp, Setpoint
+from worker.sim.acceptance import AcceptanceTruth, Ramp, Setpoint
 from worker.sim.hardware import CostModel
 from worker.sim.scenario import DriftChange, Scenario, Traffic, WorkerSpec
 from worker.sim.traffic import TrafficGenerator
@@ -283,7 +283,7 @@ class SimWorker:
             dom: Ramp(1.0, [Setpoint(c.at_s, c.factor, c.over_s) for c in drifts if c.domain in (None, dom)])
             for dom in domains
         }
-        self.acceptance = AcceptanceModel(
+        self.acceptance = AcceptanceTruth(
             d.acceptance_profile(),
             d.trained_context_len,
             domain_acceptance,

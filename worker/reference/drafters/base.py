@@ -26,6 +26,7 @@ import torch
 
 from policies.base import DrafterLimits
 from policies.table import Decision
+from policies.tree import grow_best_first
 
 __all__ = ["CatchUp", "DraftContext", "DraftTree", "Drafter", "DrafterLimits", "EMPTY_TREE", "best_first_tree",
            "draft_lm_head"]
@@ -46,6 +47,12 @@ class DraftTree:
     """A draft tree: ``parents`` (-1 = root), ``tokens`` and ``confidences``
     (the drafter's probability of each node given its parent, in [0, 1];
     siblings are ranked by it for the per-position telemetry).
+
+    What the engine verifies: tokens in the drafter's node order. The
+    simulator's ``worker.sim.tree.TreeShape`` is a different thing (no
+    tokens; children as breadth-first rank ranges, for acceptance walks).
+    Medusa's and the n-gram drafter's trees, like the simulator's shapes,
+    are grown by :func:`policies.tree.grow_best_first`.
 
     ``proposal`` matters only to sampled verification (engine temperature
     > 0): ``None`` says the tokens are deterministic given the context
@@ -160,41 +167,18 @@ def best_first_tree(level_probs: Sequence[Sequence[tuple[int, float]]], decision
     ``level_probs[l]`` lists ``(token, prob)`` for depth ``l + 1``, best
     first. A node is a choice of rank at every level down to it; its score is
     the product of its path's probabilities (the heads' independence
-    assumption). Nodes are taken best-first from a heap, so the tree is
-    prefix-closed, holds at most ``max_nodes`` nodes, ``depth`` levels and
-    ``width`` children per node.
+    assumption). Nodes are taken best-first (:func:`policies.tree.grow_best_first`,
+    siblings in turn), so the tree is prefix-closed, holds at most
+    ``max_nodes`` nodes, ``depth`` levels and ``width`` children per node.
 
     >>> t = best_first_tree([[(5, 0.9), (6, 0.1)], [(7, 0.8), (8, 0.2)]], Decision(2, 2, 3))
     >>> t.parents, t.tokens
     ([-1, 0, 0], [5, 7, 8])
     """
-    import heapq
-
     depth = min(decision.depth, len(level_probs))
-    width = decision.width
     if depth <= 0:
         return DraftTree()
-    parents: list[int] = []
-    tokens: list[int] = []
-    conf: list[float] = []
-    # heap of (-score, tie, parent_node, parent_score, level, rank)
-    heap: list[tuple[float, int, int, float, int, int]] = []
-    tie = 0
-    if level_probs[0]:
-        heapq.heappush(heap, (-level_probs[0][0][1], tie, -1, 1.0, 0, 0))
-    while heap and len(parents) < decision.max_nodes:
-        neg, _, parent, parent_score, level, rank = heapq.heappop(heap)
-        token, prob = level_probs[level][rank]
-        node = len(parents)
-        parents.append(parent)
-        tokens.append(int(token))
-        conf.append(float(prob))
-        score = -neg
-        if rank + 1 < min(width, len(level_probs[level])):  # the next sibling
-            tie += 1
-            nxt = parent_score * level_probs[level][rank + 1][1]
-            heapq.heappush(heap, (-nxt, tie, parent, parent_score, level, rank + 1))
-        if level + 1 < depth and level_probs[level + 1]:  # the first child
-            tie += 1
-            heapq.heappush(heap, (-score * level_probs[level + 1][0][1], tie, node, score, level + 1, 0))
-    return DraftTree(parents, tokens, conf)
+    rows = [[(p, tok) for tok, p in level] for level in level_probs[:depth]]
+    grown = grow_best_first(lambda level, _: rows[level], depth, decision.width, decision.max_nodes)
+    return DraftTree(grown.parents, [int(tok) for tok in grown.payloads],
+                     [float(rows[level - 1][rank][0]) for level, rank in zip(grown.levels, grown.ranks)])

@@ -7,7 +7,8 @@ A chain takes the most recent occurrence of the longest matching n-gram.
 A tree (width > 1) merges the continuations of several occurrences into a
 trie: siblings are the distinct next tokens, a node's confidence is the
 share of the (n-gram-length weighted) continuations through its parent that
-go through it, and nodes are kept best-first by that path share.
+go through it, and nodes are kept best-first by that path share
+(:func:`policies.tree.grow_best_first`).
 
 Lookups are O(1): each request keeps a dict from every n-gram it has seen
 to the positions that followed it, extended as tokens are committed.
@@ -15,11 +16,11 @@ to the positions that followed it, extended as tokens are committed.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from policies.table import Decision
+from policies.tree import grow_best_first
 from worker.reference.drafters.base import DraftContext, DrafterLimits, DraftTree
 
 __all__ = ["NgramDrafter"]
@@ -117,23 +118,14 @@ class NgramDrafter:
             ks.sort(key=lambda k: -weight[k])
             del ks[d.width :]
         total = sum(weight[k] for k in kids.get((), []))
-        parents: list[int] = []
-        toks: list[int] = []
-        conf: list[float] = []
-        heap = [(-weight[k] / total, i, k, -1) for i, k in enumerate(kids.get((), []))]
-        heapq.heapify(heap)
-        tie = len(heap)
-        while heap and len(parents) < d.max_nodes:
-            neg, _, key, parent = heapq.heappop(heap)
-            node = len(parents)
-            parents.append(parent)
-            toks.append(key[-1])
-            parent_w = weight[key[:-1]] if len(key) > 1 else total
-            conf.append(weight[key] / parent_w)
-            for child in kids.get(key, []):
-                tie += 1
-                heapq.heappush(heap, (-weight[child] / total, tie, child, node))
-        return DraftTree(parents, toks, conf)
+        # Best first by path share; all of a node's children enter the frontier
+        # when it is taken ("together"): with the integer weights' many ties
+        # that order is this drafter's, and "in_turn" would reorder ties.
+        grown = grow_best_first(lambda level, key: [(weight[k] / total, k) for k in kids.get(key, ())],
+                                d.depth, d.width, d.max_nodes, root=(), siblings="together", products=False)
+        keys = grown.payloads
+        conf = [weight[k] / (weight[k[:-1]] if len(k) > 1 else total) for k in keys]
+        return DraftTree(grown.parents, [k[-1] for k in keys], conf)
 
     def release(self, request_id: str) -> None:
         self._state.pop(request_id, None)

@@ -1,0 +1,338 @@
+"""``Controller``: telemetry in, plans out, free of gRPC.
+
+It owns the workers' states (:mod:`controller.core.state`), the acceptance
+model shared by every worker running the same drafter version, the policy
+and the plan desk (:mod:`controller.core.plans`). The gRPC servicer only
+moves messages between the network and these methods, so the same code runs
+under the server, under the simulated-time benchmark and in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections import Counter
+from typing import Callable
+
+from controller.config import ServerConfig
+from controller.core.ingest import AcceptanceBatch, apply_step
+from controller.core.plans import PlanDesk
+from controller.core.state import LoadTracker, WorkerState
+from controller.models.acceptance import AcceptanceModel, AcceptancePrior
+from controller.models.cost import CostParams, StepCostModel
+from controller.protocol import (
+    MAX_BATCH_SIZE,
+    Invalid,
+    R,
+    RequestRow,
+    drafter_limits,
+    plan_to_proto,
+    validate_finished,
+    validate_hello,
+    validate_step,
+)
+from policies.base import FinishedRequest, Observation, Policy
+from policies.chain import expected_chain_accepted
+from policies.table import Decision
+from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
+
+log = logging.getLogger("specctl.controller")
+
+
+class Controller:
+    """Telemetry in, plans out. All methods take ``now`` from the injected clock."""
+
+    def __init__(self, config: ServerConfig, policy: Policy, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.policy = policy
+        self.clock = clock
+        self.batch_edges = tuple(config.batch_size_edges)
+        self.context_edges = tuple(config.context_len_edges)
+        a = config.acceptance
+        self.acceptance = AcceptanceModel(
+            self.context_edges,
+            half_life_s=a.half_life_s,
+            max_evidence=a.max_evidence,
+            prior=AcceptancePrior(rank1_mean=a.prior_rank1_mean, strength=a.prior_strength),
+        )
+        self.plans = PlanDesk(self)
+        self.workers: dict[str, WorkerState] = {}
+        self.rejections: Counter = Counter()
+        self.policy_reloads = 0
+        self.policy_reload_failures = 0
+        self.streams_superseded = 0
+        self.workers_expired = 0
+        self._last_tick = float("-inf")
+        self.on_step: list[Callable[[WorkerState, worker_pb2.StepReport], None]] = []
+        # Same, with the step's validated request rows: cheaper than reading the proto again.
+        self.on_step_rows: list[Callable[[WorkerState, worker_pb2.StepReport, list[RequestRow]], None]] = []
+        self.on_hello: list[Callable[[WorkerState], None]] = []  # after every accepted Hello
+        # (worker id, drafter kind, drafter version) -> WorkerState.accept_counts
+        self.accept_counts: dict[tuple[str, str, str], dict[tuple[int, int, int], int]] = {}
+
+    # ------------------------------------------------------------- sessions
+    def hello(self, hello: worker_pb2.Hello) -> WorkerState:
+        """Register (or re-register) a worker; raises ``Invalid``."""
+        try:
+            validate_hello(hello)
+        except Invalid as err:
+            self.rejections[err.reason] += 1
+            raise
+        limits = drafter_limits(hello)
+        state = self.workers.get(hello.worker_id)
+        if state is None or state.limits != limits or state.hello.model != hello.model:
+            state = self._register(hello, limits, previous=state)
+        state.hello = hello
+        session = state.session
+        session.connected = True
+        session.expired = False
+        session.disconnected_at = float("inf")
+        session.last_seen_at = self.clock()
+        session.last_step_id = 0  # a restarted worker numbers its steps from 1 again
+        self.plans.hello(state, hello.current_plan_version)
+        for hook in self.on_hello:
+            hook(state)
+        return state
+
+    def _register(self, hello: worker_pb2.Hello, limits, previous: WorkerState | None) -> WorkerState:
+        """A new state: a new worker, or a new drafter (or model) on a known one."""
+        hw = hello.hardware
+        prior = CostParams.from_hardware(hw.memory_bandwidth_gb_s, hw.peak_tflops, hw.weight_bytes,
+                                         hw.kv_bytes_per_token, hw.params)
+        state = WorkerState(hello=hello, limits=limits, cost=StepCostModel(prior=prior),
+                            load=LoadTracker(len(self.context_edges)))
+        # The forwards it timed at start-up shape the cost curve before any traffic
+        # (each weighs `repeats` observations; pairs: every token attends to its row's context).
+        state.cost.calibrate((c.batch_tokens, c.kv_tokens, c.kv_tokens * c.batch_tokens / c.batch_size,
+                              c.verify_ms, c.repeats) for c in hello.calibration)
+        state.plans.policy_state = self.policy.initial_state(seed=_stable_seed(hello.worker_id))
+        if previous is not None:
+            state.counters.carry_from(previous.counters)
+        state.accept_counts = self.accept_counts.setdefault((hello.worker_id, *state.drafter_key), {})
+        self.workers[hello.worker_id] = state
+        return state
+
+    def disconnect(self, state: WorkerState) -> None:
+        state.session.connected = False
+        state.plans.pending.clear()
+        state.session.disconnected_at = self.clock()
+
+    def seen(self, state: WorkerState, kind: int) -> None:
+        """Any message or Decide from the worker: it is alive (a Decide-only
+        worker past its idle TTL comes back as connected)."""
+        session = state.session
+        session.last_seen_at = self.clock()
+        session.kind = kind
+        if not session.connected and kind == controller_pb2.WORKER_SESSION_UNARY:
+            session.connected = True
+            session.expired = False
+            session.disconnected_at = float("inf")
+
+    def idle_workers(self) -> list[WorkerState]:
+        """Connected workers silent for ``worker_idle_ttl_s``. Unary workers are
+        marked disconnected here; a stream worker's stream is ended by the
+        servicer (which then calls ``disconnect``)."""
+        now = self.clock()
+        cutoff = now - self.config.worker_idle_ttl_s
+        idle = [st for st in self.workers.values() if st.session.connected and st.session.last_seen_at <= cutoff]
+        for st in idle:
+            st.session.expired = True
+            self.workers_expired += 1
+            log.warning("worker %s sent nothing for %.0f s (worker_idle_ttl_s): taken for gone", st.worker_id,
+                        now - st.session.last_seen_at)
+            if st.session.kind == controller_pb2.WORKER_SESSION_UNARY:
+                self.disconnect(st)
+        return idle
+
+    def forget_idle_workers(self) -> list[str]:
+        """Drop workers disconnected for ``forget_worker_after_s``: a fleet that
+        churns worker ids (autoscaling, restarts under new names) must not
+        grow the controller without bound. Returns the ids forgotten."""
+        cutoff = self.clock() - self.config.forget_worker_after_s
+        gone = [wid for wid, st in self.workers.items()
+                if not st.session.connected and st.session.disconnected_at <= cutoff]
+        for wid in gone:
+            del self.workers[wid]
+        if gone:
+            dropped = set(gone)
+            for key in [k for k in self.accept_counts if k[0] in dropped]:  # every drafter version it ran
+                del self.accept_counts[key]
+        return gone
+
+    # ------------------------------------------------------------ telemetry
+    def reject(self, state: WorkerState | None, err: Invalid) -> plan_pb2.Rejection:
+        self.rejections[err.reason] += 1
+        if state is not None:
+            state.counters.rejections[err.reason] += 1
+        log.info("rejected %s: %s %s", plan_pb2.RejectReason.Name(err.reason), err.field, err.detail)
+        return err.to_proto()
+
+    def ingest(self, state: WorkerState, reports: worker_pb2.StepReports) -> list[plan_pb2.Rejection]:
+        """Apply every valid step; return a rejection for each invalid one."""
+        now = self.clock()
+        rejections = []
+        state.counters.steps_received += len(reports.steps)
+        batch = AcceptanceBatch()
+        finished_ids = state.requests.finished_ids
+        max_batch = state.hello.max_batch_size or MAX_BATCH_SIZE
+        keep_requests = self.policy.wants_request_outcomes
+        for i, step in enumerate(reports.steps):
+            try:
+                rows = validate_step(step, state.limits, f"steps[{i}]", state.session.last_step_id, max_batch)
+                if finished_ids:
+                    for j, row in enumerate(rows):
+                        if row.request_id in finished_ids:
+                            raise Invalid(R.REJECT_REASON_UNKNOWN_REQUEST, f"steps[{i}].requests[{j}].request_id",
+                                          f"{row.request_id!r} already finished", step.step_id)
+            except Invalid as err:
+                rejections.append(self.reject(state, err))
+                continue
+            apply_step(state, step, rows, batch, self.acceptance, self.context_edges, keep_requests,
+                       self.config.max_active_requests, now)
+            for hook in self.on_step:
+                hook(state, step)
+            for hook in self.on_step_rows:
+                hook(state, step, rows)
+        batch.apply(state, self.acceptance, now)
+        if now - self._last_tick >= 1.0:
+            self.acceptance.tick(now)
+            self._last_tick = now
+        return rejections
+
+    def finished(self, state: WorkerState, msg: worker_pb2.RequestFinished) -> plan_pb2.Rejection | None:
+        try:
+            validate_finished(msg)
+            if msg.request_id not in state.requests.active:
+                raise Invalid(R.REJECT_REASON_UNKNOWN_REQUEST, "finished.request_id",
+                              f"{msg.request_id!r} was never reported in a step (or already finished)")
+        except Invalid as err:
+            return self.reject(state, err)
+        state.requests.finish(msg.request_id)
+        state.requests.recent_finished.append(
+            FinishedRequest(msg.request_id, msg.steps, msg.generated_tokens, msg.accepted_tokens))
+        return None
+
+    # ---------------------------------------------------------------- plans
+    def observation(self, state: WorkerState, now: float) -> Observation:
+        limits = state.limits
+        state.load.fold()
+        cost = state.cost.refit()
+        owed = {}
+        requests = state.requests
+        if cost.catch_up_ms_per_token > 0:  # only a drafter that has caught up owes anything
+            owed = {rid: max(ctx - requests.drafted_through.get(rid, 0), 0) for rid, ctx in requests.active.items()}
+        return Observation(
+            now=now,
+            worker_id=state.worker_id,
+            drafter=limits,
+            batch_edges=self.batch_edges,
+            context_edges=self.context_edges,
+            acceptance=self.acceptance.view(state.drafter_key, limits.max_depth, limits.max_width),
+            cost=cost,
+            load=state.load.profile(),
+            steps=tuple(requests.recent_steps),
+            finished=tuple(requests.recent_finished),
+            active_requests=dict(requests.active),
+            catch_up_owed=owed,
+            max_batch_size=state.hello.max_batch_size or 256,
+            padded_verify=state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED,
+        )
+
+    def run_policy(self, state: WorkerState, now: float):
+        return self.plans.run_policy(state, now)
+
+    def plan_updates(self, state: WorkerState, force: bool = False) -> list[plan_pb2.Plan | plan_pb2.RequestDecisions]:
+        """What to push to ``state``'s worker now (see :mod:`controller.core.plans`)."""
+        return self.plans.updates(state, force)
+
+    def ack(self, state: WorkerState, msg: worker_pb2.Ack) -> plan_pb2.Rejection | None:
+        return self.plans.ack(state, msg)
+
+    def nack(self, state: WorkerState, msg: worker_pb2.Nack) -> plan_pb2.Rejection | None:
+        return self.plans.nack(state, msg)
+
+    def use(self, state: WorkerState, version: int) -> None:
+        self.plans.use(state, version)
+
+    def decide(self, state: WorkerState, request_id: str, context_len: int, batch_size: int) -> Decision:
+        return self.plans.decide(state, request_id, context_len, batch_size)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Swap the policy; every worker's policy state restarts and gets a new plan."""
+        self.policy = policy
+        for state in self.workers.values():
+            state.plans.policy_state = policy.initial_state(seed=_stable_seed(state.worker_id))
+            state.plans.last_decide_at = float("-inf")
+            state.plans.force_push = True
+        self.policy_reloads += 1
+
+    # --------------------------------------------------------------- status
+    def status(self, worker_id: str = "") -> controller_pb2.GetStatusResponse:
+        out = controller_pb2.GetStatusResponse(
+            policy=self.policy.name,
+            policy_reloads=self.policy_reloads,
+            policy_reload_failures=self.policy_reload_failures,
+            streams_superseded=self.streams_superseded,
+            workers_expired=self.workers_expired,
+            worker_idle_ttl_s=self.config.worker_idle_ttl_s,
+        )
+        for reason, count in sorted(self.rejections.items()):
+            out.rejections.add(reason=reason, count=count)
+        for state in self.workers.values():
+            if worker_id and state.worker_id != worker_id:
+                continue
+            out.workers.append(self.worker_status(state))
+        return out
+
+    def worker_status(self, state: WorkerState) -> controller_pb2.WorkerStatus:
+        p = state.cost.refit()
+        session, ledger, counters = state.session, state.plans, state.counters
+        ws = controller_pb2.WorkerStatus(
+            hello=state.hello,
+            connected=session.connected,
+            plan_version=ledger.plan_version,
+            acked_plan_version=ledger.acked_version,
+            nacks=counters.nacks,
+            steps_ingested=state.steps_ingested,
+            last_report_at=session.last_report_at,
+            cost_model=controller_pb2.CostModel(
+                mem_ms=p.mem_ms, mem_ms_per_kv_token=p.mem_ms_per_kv_token, compute_ms=p.compute_ms,
+                compute_ms_per_token=p.compute_ms_per_token, compute_ms_per_pair=p.compute_ms_per_pair,
+                compute_knots=p.compute_knots, compute_rise_ms=p.compute_rise_ms, draft_fixed_ms=p.draft_fixed_ms,
+                draft_ms_per_level=p.draft_ms_per_level, draft_ms_per_node=p.draft_ms_per_node,
+                draft_ms_per_level_kv_token=p.draft_ms_per_level_kv_token,
+                catch_up_ms_per_token=p.catch_up_ms_per_token, samples=state.cost.samples, rmse_ms=state.cost.rmse_ms,
+            ),
+            mean_batch_size=state.load.batch_ema,
+            mean_context_len=state.load.mean_context_len(),
+            observed_goodput_tok_s=state.load.observed_goodput(),
+            session=session.kind,
+            last_seen_at=session.last_seen_at,
+            expired=session.expired,
+            streams_superseded=counters.streams_superseded,
+            plans_used=counters.plans_used,
+            last_nack_reason=ledger.last_nack_reason,
+            steps_received=counters.steps_received,
+        )
+        view = self.acceptance.view(state.drafter_key, state.limits.max_depth, state.limits.max_width)
+        kind = state.hello.drafter.kind
+        for c, lo in enumerate(self.context_edges):
+            alpha = view.chain_alpha(c)
+            ws.acceptance.add(
+                drafter_kind=kind,
+                drafter_version=state.limits.version,
+                context_len_min=lo,
+                context_len_max=self.context_edges[c + 1] if c + 1 < len(self.context_edges) else 0,
+                alpha=alpha.tolist(),
+                effective_samples=view.effective_samples(c).tolist(),
+                expected_accepted_chain=expected_chain_accepted(alpha),
+            )
+        if ledger.in_force is not None:  # the plan the worker acknowledged, not one merely sent
+            ws.plan.CopyFrom(plan_to_proto(ledger.in_force.table, ledger.acked_version, "", self.policy.name,
+                                           ledger.last_push_at, ledger.in_force.expected_goodput_tok_s))
+        return ws
+
+
+def _stable_seed(text: str) -> int:
+    return zlib.crc32(text.encode())

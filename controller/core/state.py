@@ -1,0 +1,218 @@
+"""What the controller keeps per worker, in small state objects.
+
+``WorkerState`` is the worker's identity (its Hello and drafter limits), its
+fitted cost model and five parts that change for different reasons:
+
+- :class:`Session` — how and whether it is connected (stream or Decide, last
+  contact, idle expiry, the step ids of the current Hello);
+- :class:`LoadTracker` — the load its steps show (batch size, context mix,
+  tokens and step time), smoothed;
+- :class:`RequestTracker` — its requests in flight and the recent steps and
+  finished requests the policy has not seen yet;
+- :class:`PlanLedger` — the plans: what was sent, what is in force, what is
+  awaiting an ACK, and when the policy ran;
+- :class:`Counters` — running totals for metrics; they survive a
+  re-registration (a drafter roll-out makes a new ``WorkerState``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from controller.models.cost import StepCostModel
+from policies.base import DrafterLimits, LoadProfile, PlanDraft
+from protos.speculation.v1 import controller_pb2, worker_pb2
+
+RECENT_STEPS = 512  # steps buffered for the policy between two decide() calls
+RECENT_FINISHED = 1024
+# Finished request ids remembered to refuse reports about them. Such a report is an
+# engine bug, a step or two late: the last few hundred catch it, and the memory does
+# not grow with the requests a worker serves (200 workers: ~8 MB at most).
+FINISHED_IDS = 256
+MAX_PENDING = 64  # plans in flight per worker; a worker that never ACKs (stuck, or deaf) costs no more
+LOAD_EMA = 0.2
+
+
+@dataclass
+class SentPlan:
+    version: int
+    nonce: str
+    draft: PlanDraft
+    sent_at: float
+    kind: str  # "plan" | "request_decisions"
+
+
+@dataclass
+class Session:
+    """The link: connected or not, how, and since when."""
+
+    connected: bool = True
+    kind: int = controller_pb2.WORKER_SESSION_STREAM  # Connect, or Decide only
+    last_seen_at: float = 0.0  # clock time of its last message or Decide
+    expired: bool = False  # disconnected by the idle TTL, not by its stream ending
+    disconnected_at: float = float("inf")  # clock time of the last disconnect; inf while connected
+    last_step_id: int = 0  # step ids increase after each Hello
+    last_report_at: float = 0.0
+
+
+@dataclass
+class LoadTracker:
+    """The worker's load as its steps show it: EMAs of batch size, tokens and
+    step time, and the context mix (share and mean per context bucket)."""
+
+    buckets: int
+    batch_ema: float = 0.0
+    last_batch_size: int = 0  # of the last step ingested
+    tokens_ema: float = 0.0
+    step_ms_ema: float = 0.0
+    context_counts: list[float] = field(default_factory=list)  # since the last fold, per bucket
+    context_sums: list[float] = field(default_factory=list)
+    context_share: np.ndarray | None = None
+    context_mean: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.context_counts = [0.0] * self.buckets
+        self.context_sums = [0.0] * self.buckets
+
+    def observe_step(self, batch: int, tokens: int, step_ms: float, first: bool) -> None:
+        keep = 1 - LOAD_EMA
+        self.batch_ema = batch if first else keep * self.batch_ema + LOAD_EMA * batch
+        self.last_batch_size = batch
+        self.tokens_ema = keep * self.tokens_ema + LOAD_EMA * tokens
+        self.step_ms_ema = keep * self.step_ms_ema + LOAD_EMA * step_ms
+
+    def observed_goodput(self) -> float:
+        """Tokens per second of step time, recent."""
+        return 1000.0 * self.tokens_ema / self.step_ms_ema if self.step_ms_ema > 0 else 0.0
+
+    def fold(self) -> None:
+        """Blend the context mix seen since the last fold into the smoothed one."""
+        counts = np.asarray(self.context_counts)
+        if counts.sum() <= 0:
+            return
+        share = counts / counts.sum()
+        mean = np.divide(np.asarray(self.context_sums), counts, out=np.zeros_like(counts), where=counts > 0)
+        if self.context_share is None:
+            self.context_share, self.context_mean = share, mean
+        else:
+            w = 0.3
+            self.context_share = (1 - w) * self.context_share + w * share
+            self.context_mean = np.where(
+                counts > 0, (1 - w) * np.where(self.context_mean > 0, self.context_mean, mean) + w * mean,
+                self.context_mean)
+        self.context_counts = [0.0] * len(counts)
+        self.context_sums = [0.0] * len(counts)
+
+    def profile(self) -> LoadProfile:
+        """The load as the policies read it."""
+        return LoadProfile(
+            mean_batch_size=max(self.batch_ema, 1.0),
+            context_share=tuple(self.context_share) if self.context_share is not None else (),
+            context_mean=tuple(self.context_mean) if self.context_mean is not None else (),
+        )
+
+    def mean_context_len(self) -> float:
+        if self.context_share is None or self.context_mean is None:
+            return 0.0
+        return float(np.dot(self.context_share, self.context_mean))
+
+
+@dataclass
+class RequestTracker:
+    """Requests in flight, and what the policy has not seen yet."""
+
+    active: OrderedDict[str, int] = field(default_factory=OrderedDict)  # request id -> context_len (LRU)
+    # Request id -> tokens its drafter had seen after the request's last drafting
+    # step: a drafter that catches up (EAGLE) owes it the rest of its context.
+    drafted_through: dict[str, int] = field(default_factory=dict)
+    finished_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    recent_finished: deque = field(default_factory=lambda: deque(maxlen=RECENT_FINISHED))
+
+    def finish(self, request_id: str) -> None:
+        del self.active[request_id]
+        self.drafted_through.pop(request_id, None)
+        self.finished_ids[request_id] = None
+        while len(self.finished_ids) > FINISHED_IDS:
+            self.finished_ids.popitem(last=False)
+
+
+@dataclass
+class PlanLedger:
+    """Plans sent, in force and awaited. ``current`` is the controller's view
+    of the worker's table: the newest sent, or after a NACK the last acked
+    (``in_force``) again."""
+
+    policy_state: Any = None
+    plan_version: int = 0  # newest version sent (plans and request decisions share it)
+    current: PlanDraft | None = None
+    current_version: int = 0  # the Plan version ``current`` went out as
+    in_force: PlanDraft | None = None  # the last Plan the worker acknowledged
+    acked_version: int = 0
+    pending: dict[int, SentPlan] = field(default_factory=dict)  # version -> unacknowledged
+    last_nack_reason: str = ""
+    refused_table: Any = None  # a table the worker NACKed: not sent again until its next Hello
+    resend: bool = False  # its Hello was behind ``current``: send it again under a new version
+    force_push: bool = False  # e.g. after a policy reload
+    last_push_at: float = float("-inf")
+    last_decide_at: float = float("-inf")
+    new_steps: int = 0  # steps since the policy last ran
+    sent_overrides: dict = field(default_factory=dict)  # request id -> Decision sent
+    plan_push_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def track(self, sent: SentPlan) -> None:
+        """Await the ACK of ``sent``, forgetting the oldest plan in flight beyond ``MAX_PENDING``."""
+        self.pending[sent.version] = sent
+        while len(self.pending) > MAX_PENDING:
+            del self.pending[next(iter(self.pending))]  # versions are inserted in increasing order
+
+
+@dataclass
+class Counters:
+    """Running totals for the metrics endpoint; carried across a re-registration."""
+
+    steps_total: int = 0
+    tokens_total: int = 0
+    step_ms_total: float = 0.0
+    steps_received: int = 0  # steps read, applied or rejected
+    plans_pushed: int = 0
+    decisions_pushed: int = 0
+    acks: int = 0
+    nacks: int = 0
+    plans_used: int = 0  # plans a Decide-only worker acknowledged by using them
+    streams_superseded: int = 0
+    rejections: Counter = field(default_factory=Counter)
+
+    def carry_from(self, previous: "Counters") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(previous, f.name))
+
+
+@dataclass
+class WorkerState:
+    """Everything the controller knows about one worker."""
+
+    hello: worker_pb2.Hello
+    limits: DrafterLimits
+    cost: StepCostModel
+    load: LoadTracker
+    session: Session = field(default_factory=Session)
+    requests: RequestTracker = field(default_factory=RequestTracker)
+    plans: PlanLedger = field(default_factory=PlanLedger)
+    counters: Counters = field(default_factory=Counters)
+    steps_ingested: int = 0  # since this state was made (a new drafter starts a new one)
+    # (context bucket, depth, τ) -> request-steps of this worker's drafter version
+    # (shared with Controller.accept_counts, so a version keeps its counts).
+    accept_counts: dict = field(default_factory=dict)
+
+    @property
+    def worker_id(self) -> str:
+        return self.hello.worker_id
+
+    @property
+    def drafter_key(self) -> tuple[str, str]:
+        return (self.limits.kind, self.limits.version)
