@@ -194,7 +194,7 @@ class DriftSettings(BaseModel):
     @field_validator("monitor")
     @classmethod
     def _monitor_fields(cls, v: dict) -> dict:
-        from controller.drift.monitor import MonitorConfig
+        from controller.drift.config import MonitorConfig
 
         if "context_edges" in v:
             raise ValueError("context_edges is not set here: the monitor uses the controller's context_len_edges")

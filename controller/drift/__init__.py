@@ -15,6 +15,11 @@ by bootstrap from their baseline:
 :class:`AcceptanceDriftMonitor` runs them per drafter version × context
 bucket (× domain) and raises :class:`DriftAlert` objects with a recommended
 :class:`Action`. The server runs it through :mod:`controller.alerts.alerting`.
+The monitor's parts sit beside it: :mod:`~controller.drift.config`
+(:class:`MonitorConfig`), :mod:`~controller.drift.strata` (per-stratum
+baselines and the CUSUM bank), :mod:`~controller.drift.llr` (the
+likelihood-ratio score), :mod:`~controller.drift.actions` (what a change calls
+for) and :mod:`~controller.drift.persistence` (saving and restoring).
 """
 
 import importlib
@@ -30,7 +35,7 @@ _EXPORTS = {
     "DriftAlert": "controller.drift.alerts",
     "DriftDetector": "controller.drift.base",
     "HistogramChiSquare": "controller.drift.histogram_chi2",
-    "MonitorConfig": "controller.drift.monitor",
+    "MonitorConfig": "controller.drift.config",
     "Severity": "controller.drift.alerts",
     "Status": "controller.drift.alerts",
     "benjamini_hochberg": "controller.drift.multitest",
