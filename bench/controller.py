@@ -455,7 +455,9 @@ class SectionTimers:
         self.calls = {k: 0 for k in self.SECTIONS}
         self.ack_rtt: list[tuple[float, float]] = []  # (wall time, send→ACK ms)
         for name in self.SECTIONS:
-            setattr(ctl, name, self._wrap(name, getattr(ctl, name)))
+            # The policy runs inside the plan desk (plan_updates and Decide both call it there).
+            owner = ctl.plans if name == "run_policy" else ctl
+            setattr(owner, name, self._wrap(name, getattr(owner, name)))
         inner_ack = ctl.ack
 
         def ack(state, msg):

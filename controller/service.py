@@ -161,13 +161,14 @@ class SpeculationControllerServicer:
             async for msg in request_iterator:
                 if stream.ending is not None:
                     break  # superseded, idle or denied: nothing more of this stream is applied
-                if not isinstance(msg, Malformed) and msg.WhichOneof("payload") == "hello":
+                kind = None if isinstance(msg, Malformed) else msg.WhichOneof("payload")
+                if kind == "hello":
                     denied = self.auth.check_worker(identity, msg.hello.worker_id)
                     if denied is not None:
                         stream.end(denied.code, denied.message)
                         break
                 ctl.seen(stream.state, controller_pb2.WORKER_SESSION_STREAM)
-                if not isinstance(msg, Malformed) and msg.WhichOneof("payload") == "reports" and msg.reports.steps:
+                if kind == "reports" and msg.reports.steps:
                     stream.steps_read += len(msg.reports.steps)
                     stream.last_step_id = max(stream.last_step_id, max(s.step_id for s in msg.reports.steps))
                 for rejection in self.handle(stream.state, msg):

@@ -80,7 +80,7 @@ async def test_heartbeats_keep_an_idle_agent_connected():
     try:
         await wait_for(lambda: agent.stats.connected)
         await asyncio.sleep(1.5)  # three TTLs without a step
-        assert agent.stats.heartbeats >= 5 and agent.stats.reconnects == 0
+        assert agent.stats.heartbeats >= 3 and agent.stats.reconnects == 0  # at least one per TTL
         state = running.controller.workers["w-idle"]
         assert state.session.connected and not state.session.expired and running.controller.workers_expired == 0
     finally:
@@ -106,4 +106,30 @@ async def test_agent_superseded_by_a_twin_counts_it_and_backs_off():
     finally:
         agent.close(timeout=1.0)
         await channel.close()
+        await running.stop(0)
+
+
+async def test_unconfirmed_tracking_is_bounded_without_receipts():
+    """A controller that sends no receipts (one per minute here) leaves the agent
+    tracking at most 4 x queue_size written steps: a break then counts those."""
+    running = await start_server(ServerConfig(listen=f"127.0.0.1:{free_port()}", plan=PLAN,
+                                              policy_poll_interval_s=0.05, receipt_interval_s=60.0))
+    agent = SpeculationAgent(make_hello("w-bounded"), running.address,
+                             AgentOptions(queue_size=4, flush_interval_s=0.01, backoff_max_s=0.2)).start()
+    try:
+        await wait_for(lambda: agent.stats.connected)
+        agent.observe(step(1))
+        await wait_for(lambda: agent.stats.steps_confirmed == 1)  # the one receipt
+        for first in range(2, 42, 4):  # four at a time, each batch sent before the next: nothing is dropped
+            for i in range(first, first + 4):
+                agent.observe(step(i))
+            await wait_for(lambda: agent.stats.steps_sent == first + 3)
+        await wait_for(lambda: "w-bounded" in running.controller.workers
+                       and running.controller.workers["w-bounded"].steps_ingested == 41)
+        assert agent.stats.steps_dropped_total == 0
+        await running.stop(0)
+        await wait_for(lambda: not agent.stats.connected and agent.stats.steps_unconfirmed > 0)
+        assert agent.stats.steps_unconfirmed == 16
+    finally:
+        agent.close()
         await running.stop(0)

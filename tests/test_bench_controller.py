@@ -9,9 +9,13 @@ import json
 import pytest
 from rich.console import Console
 
-from bench.controller import JSON_KEYS, WireLoadWorker, bench_hello, run_controller_bench
+from bench.controller import JSON_KEYS, SectionTimers, WireLoadWorker, bench_hello, run_controller_bench
+from controller.config import ServerConfig
+from controller.core import Controller
 from controller.protocol import drafter_limits, validate_finished, validate_step
+from policies.presets import load_preset
 from protos.speculation.v1 import worker_pb2
+from tests.support import make_hello
 
 
 def test_generated_messages_are_valid_protocol():
@@ -77,3 +81,15 @@ def test_tiny_bench_writes_json_and_png(tmp_path):
     assert data["controller"]["rejections"] == 0  # the generator speaks valid protocol
     assert (tmp_path / "controller.png").stat().st_size > 0
     assert "steps/s ingested" in out.getvalue()
+
+
+def test_section_timers_see_every_policy_run():
+    """The controller bench times the policy where it runs (the plan desk), so
+    ``run_policy_ms_mean`` is measured whether plan_updates or Decide ran it."""
+    ctl = Controller(ServerConfig(), load_preset("goodput"), clock=lambda: 0.0)
+    timers = SectionTimers(ctl)
+    state = ctl.hello(make_hello("w-timed"))
+    ctl.decide(state, "r0", 100, 1)  # no plan yet: Decide plans one
+    ctl.plan_updates(state, force=True)
+    assert timers.calls["run_policy"] == 2 and timers.calls["plan_updates"] == 1
+    assert timers.seconds["run_policy"] > 0

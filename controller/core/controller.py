@@ -239,9 +239,6 @@ class Controller:
             padded_verify=state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED,
         )
 
-    def run_policy(self, state: WorkerState, now: float):
-        return self.plans.run_policy(state, now)
-
     def plan_updates(self, state: WorkerState, force: bool = False) -> list[plan_pb2.Plan | plan_pb2.RequestDecisions]:
         """What to push to ``state``'s worker now (see :mod:`controller.core.plans`)."""
         return self.plans.updates(state, force)

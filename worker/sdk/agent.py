@@ -150,7 +150,10 @@ class SpeculationAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._outbox: asyncio.Queue | None = None  # the live session's, while connected
-        self._unconfirmed: deque[int] = deque()  # step ids written on the live stream, no receipt yet
+        # Step ids written on the live stream that no receipt has covered yet. A controller
+        # sends one about every second, so this holds about a second of steps; bounded for one
+        # that sends none (older than receipts), where a break then counts the newest it holds.
+        self._unconfirmed: deque[int] = deque(maxlen=4 * self.options.queue_size)
 
     # ------------------------------------------------------------ hot path
     def decide(self, request_id: str, context_len: int, batch_size: int) -> Decision:
