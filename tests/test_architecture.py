@@ -189,9 +189,10 @@ def test_rooms_import_without_torch(rooms) -> None:
 # Import name -> the distribution that provides it (only those the rooms use).
 DISTRIBUTION = {"google": "protobuf", "grpc": "grpcio", "grpc_health": "grpcio-health-checking",
                 "grpc_reflection": "grpcio-reflection", "grpc_tools": "grpcio-tools", "yaml": "PyYAML",
-                "prometheus_client": "prometheus-client", "safetensors": "transformers"}
+                "prometheus_client": "prometheus-client", "safetensors": "transformers",
+                "llama_cpp": "llama-cpp-python"}
 # room -> the extras that install it (besides the core dependencies)
-EXTRAS = {"protos": (), "policies": (), "worker.sdk": ("sdk",), "worker.sim": (), "controller": ("controller",),
+EXTRAS = {"protos": (), "policies": (), "worker.sdk": ("sdk",), "worker.sdk.integrations": ("sdk", "llamacpp"), "worker.sim": (), "controller": ("controller",),
           "worker.reference": ("worker",), "bench": ("bench",), "specctl": ("controller", "worker", "bench")}
 
 

@@ -334,3 +334,12 @@ def load_model(
             p.requires_grad_(False)
         kernels = tune_model(model, log=log)
     return LoadedModel(model, tokenizer, source, where, kernels)
+
+
+def gguf_file(name_or_path: str) -> Path:
+    """The GGUF file behind a known model name (``"smollm2-135m"``) or a path
+    to one, for engines that read GGUF themselves (llama.cpp)."""
+    kind, path = _resolve(name_or_path)
+    if kind != "gguf":
+        raise ModelUnavailableError(f"model '{name_or_path}' is a checkpoint directory, not a GGUF file")
+    return path

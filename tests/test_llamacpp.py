@@ -1,0 +1,323 @@
+"""llama.cpp (llama-cpp-python, SmolLM2-135M GGUF) under a real ``specctl serve``
+on loopback, through the SDK's adapter (worker/sdk/integrations/llamacpp.py).
+
+Every depth below is one the controller chose: the plan it pushed after a
+policy reload (SIGHUP), or the goodput policy's own. Outputs are compared
+token for token with llama.cpp's plain greedy decoding of the same prompts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+from controller.client import fetch_status
+from controller.observe.recorder import read_recording
+from policies.presets import PRESET_DIR
+from policies.table import Decision
+from worker.reference.models import gguf_file
+from worker.sdk.agent import AgentOptions, SpeculationAgent
+from worker.sdk.integrations.llamacpp import ControlledPromptLookup, calibrate, llamacpp_hello
+from tests.support import free_port
+
+pytestmark = pytest.mark.timeout(600)
+
+# Prompts whose answers repeat what they were given, so prompt lookup finds continuations.
+PROMPTS = [
+    "Repeat this list exactly, then add one more item in the same style: apples, pears, plums, figs, "
+    "apples, pears, plums, figs.",
+    "Rewrite this Python function with type hints and keep the body unchanged:\n"
+    "def area(width, height):\n    result = width * height\n    return result\n",
+    "Summarise in one sentence: The committee met on Monday. The committee approved the budget. "
+    "The committee will meet again on Monday.",
+]
+MAX_TOKENS = 40
+LLAMA_KW = dict(n_ctx=1024, n_threads=2, verbose=False, flash_attn=True, seed=0)
+
+
+def prompt_ids(llm: Llama, text: str) -> list[int]:
+    """One user turn in SmolLM2's chat format, ready for the answer."""
+    prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return llm.tokenize(prompt.encode(), add_bos=False, special=True)
+
+
+def greedy(llm: Llama, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    eos = llm.token_eos()
+    out = []
+    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        if tok == eos or len(out) >= max_tokens:
+            break
+        out.append(tok)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return str(gguf_file("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def plain(model_path):
+    """llama.cpp's own greedy output per prompt (no draft model)."""
+    llm = Llama(model_path=model_path, **LLAMA_KW)
+    ids = [prompt_ids(llm, p) for p in PROMPTS]
+    return ids, [greedy(llm, i) for i in ids]
+
+
+class Serve:
+    """``specctl serve`` in a child process: a policy file, a recording."""
+
+    def __init__(self, tmp: Path, policy_text: str) -> None:
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.policy = tmp / "policy.yaml"
+        self.policy.write_text(policy_text)
+        self.record = tmp / "telemetry.jsonl.gz"
+        config = tmp / "controller.yaml"
+        config.write_text(f"listen: {self.target}\npolicy: {self.policy}\npolicy_poll_interval_s: 3600\n"
+                          f"record: {self.record}\n")
+        self.proc = subprocess.Popen([sys.executable, "-m", "specctl.cli", "serve", "--config", str(config)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"specctl serve exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                fetch_status(self.target, timeout=1.0)
+                return
+            except Exception:
+                time.sleep(0.2)
+        raise AssertionError("specctl serve did not answer")
+
+    def reload(self, policy_text: str) -> None:
+        self.policy.write_text(policy_text)
+        self.proc.send_signal(signal.SIGHUP)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc.poll() is None:
+            (self.proc.kill if kill else self.proc.terminate)()
+            self.proc.wait(15)
+
+
+def controlled(model_path: str, target: str, worker_id: str, **adapter_kw):
+    draft = ControlledPromptLookup(max_depth=8, keep_records=True, **adapter_kw)
+    llm = Llama(model_path=model_path, draft_model=draft, logits_all=True, **LLAMA_KW)
+    hello = llamacpp_hello(llm, worker_id, max_depth=8,
+                           calibration=calibrate(llm, max_tokens=9, contexts=(64,), repeats=2))
+    agent = SpeculationAgent(hello, target, AgentOptions(fallback=Decision.off(), flush_interval_s=0.05,
+                                                         backoff_max_s=0.5)).start()
+    draft.attach(llm, agent)
+    return llm, draft, agent
+
+
+def wait_for(predicate, timeout: float = 120.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def until_planned(llm, draft, agent, ids, expected: Decision | None = None) -> None:
+    """Decode until the controller's first plan is in force: it plans a worker
+    once its steps arrive (``plan.steps_before_first_plan``)."""
+    for i in range(20):
+        if agent.plan_version > 0 and (expected is None or agent.decide("probe", 100, 1) == expected):
+            return
+        with draft.request(f"warm-{i}"):
+            greedy(llm, ids[i % len(ids)], max_tokens=8)
+        time.sleep(0.3)
+    raise AssertionError(f"no plan in force (version {agent.plan_version}, decision {agent.decide('probe', 100, 1)})")
+
+
+def static(depth: int) -> str:
+    return f"policy: static\ndepth: {depth}\nwidth: 1\n"
+
+
+def run_prompts(llm, draft, ids, tag: str) -> list[list[int]]:
+    outs = []
+    for i, prompt in enumerate(ids):
+        with draft.request(f"{tag}-{i}", domain="chat"):
+            outs.append(greedy(llm, prompt))
+    return outs
+
+
+def recorded_steps(path: Path, worker_id: str) -> list[dict]:
+    return [s for rec in read_recording(path) if rec["kind"] == "steps" and rec["worker_id"] == worker_id
+            for s in rec["steps"]]
+
+
+def test_output_is_plain_greedy_at_every_depth_the_controller_pushes(tmp_path, model_path, plain):
+    ids, reference = plain
+    serve = Serve(tmp_path, static(0))
+    llm, draft, agent = controlled(model_path, serve.target, "llama-depths")
+    try:
+        used = {}
+        for depth in (0, 1, 2, 4, 8):
+            serve.reload(static(depth))
+            wait_for(lambda: agent.decide("probe", 100, 1) == Decision.chain(depth), what=f"a plan of depth {depth}")
+            before = len(draft.records)
+            outs = run_prompts(llm, draft, ids, f"d{depth}")
+            assert outs == reference, f"depth {depth}: speculative output differs from llama.cpp's plain greedy"
+            new = draft.records[before:]
+            assert {r.requested_depth for r in new} == {depth}
+            used[depth] = (sum(r.drafted for r in new), sum(r.accepted for r in new))
+        assert used[0] == (0, 0)
+        for depth in (1, 2, 4, 8):  # the lookup found continuations and the engine kept some of them
+            assert used[depth][0] > 0 and used[depth][1] > 0, used
+        assert max(r.drafted for r in draft.records) == 8
+    finally:
+        agent.close()
+        serve.stop()
+
+
+def test_goodput_controller_learns_on_llamacpp_and_stays_lossless(tmp_path, model_path, plain):
+    ids, reference = plain
+    serve = Serve(tmp_path, (PRESET_DIR / "goodput.yaml").read_text())
+    llm, draft, agent = controlled(model_path, serve.target, "llama-goodput")
+    try:
+        for rnd in range(3):
+            assert run_prompts(llm, draft, ids, f"g{rnd}") == reference
+        # the fallback is off: every drafted token came from a plan the controller fitted and pushed
+        assert agent.plan_version >= 1 and any(r.requested_depth > 0 for r in draft.records)
+        assert draft.stats.accepted_tokens > 0
+        status = wait_for(lambda: next((w for w in fetch_status(serve.target).workers
+                                        if w.hello.worker_id == "llama-goodput" and w.steps_ingested >= draft.stats.steps),
+                                       None), what="the controller to count every step")
+        assert status.hello.engine == "llama.cpp" and status.hello.drafter.max_width == 1
+        assert status.acked_plan_version >= 1
+    finally:
+        agent.close()
+        serve.stop()
+
+
+def test_depth_zero_makes_no_draft_calls(tmp_path, model_path, plain, monkeypatch):
+    ids, reference = plain
+    calls = []
+    original = LlamaPromptLookupDecoding.find_candidate_pred_tokens
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(LlamaPromptLookupDecoding, "find_candidate_pred_tokens", staticmethod(counting))
+    serve = Serve(tmp_path, static(0))
+    llm, draft, agent = controlled(model_path, serve.target, "llama-off")
+    try:
+        until_planned(llm, draft, agent, ids, Decision.off())
+        assert run_prompts(llm, draft, ids, "off") == reference
+        assert calls == [] and draft.stats.lookup_calls == 0
+        assert draft.stats.steps > 0 and all(r.drafted == 0 for r in draft.records)
+        # the controller still saw every step (plain decode costs are telemetry too)
+        wait_for(lambda: agent.stats.steps_confirmed >= draft.stats.steps, what="receipts for every step")
+    finally:
+        agent.close()
+        serve.stop()
+    steps = recorded_steps(serve.record, "llama-off")
+    assert len(steps) == draft.stats.steps and all(s["requests"][0].get("depth", 0) == 0 for s in steps)
+
+
+class LoggingLookup(LlamaPromptLookupDecoding):
+    """llama.cpp's own prompt lookup at a fixed depth, logging inside the draft
+    object what the engine kept between its calls (no adapter involved)."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__(num_pred_tokens=depth)
+        self.steps: list[tuple[int, int]] = []  # (drafted, accepted) per credited step
+        self._last: tuple[int, int] | None = None  # (input length, drafted) of the previous call
+
+    def new_request(self) -> None:
+        self._last = None
+
+    def __call__(self, input_ids, /, **kwargs):
+        if self._last is not None:
+            length, drafted = self._last
+            self.steps.append((drafted, len(input_ids) - length - 1))
+        draft = super().__call__(input_ids)
+        self._last = (len(input_ids), len(draft))
+        return draft
+
+
+def test_controller_sees_the_accepted_lengths_llamacpp_produced(tmp_path, model_path, plain):
+    ids, reference = plain
+    depth = 3
+    serve = Serve(tmp_path, static(depth))
+    llm, draft, agent = controlled(model_path, serve.target, "llama-accepts")
+    try:
+        until_planned(llm, draft, agent, ids, Decision.chain(depth))
+        warm = draft.stats.steps
+        assert run_prompts(llm, draft, ids, "acc") == reference
+        wait_for(lambda: agent.stats.steps_confirmed >= draft.stats.steps, what="receipts for every step")
+    finally:
+        agent.close()
+        serve.stop()
+    seen = [(s["requests"][0].get("depth", 0), s["requests"][0].get("accepted", 0))
+            for s in recorded_steps(serve.record, "llama-accepts")][warm:]
+
+    logger = LoggingLookup(depth)
+    llm2 = Llama(model_path=model_path, draft_model=logger, logits_all=True, **LLAMA_KW)
+    logged = []
+    for prompt in ids:
+        logger.new_request()
+        before = len(logger.steps)
+        assert greedy(llm2, prompt) == reference[ids.index(prompt)]
+        logged += logger.steps[before:]
+    assert seen == logged
+    assert sum(a for _, a in seen) > 0 and any(d == depth for d, _ in seen)
+
+
+def test_controller_down_the_adapter_keeps_its_last_plan(tmp_path, model_path, plain):
+    ids, reference = plain
+    serve = Serve(tmp_path, static(4))
+    llm, draft, agent = controlled(model_path, serve.target, "llama-cutoff")
+    try:
+        until_planned(llm, draft, agent, ids, Decision.chain(4))
+        serve.stop(kill=True)
+        wait_for(lambda: not agent.stats.connected, what="the agent to notice")
+        before = len(draft.records)
+        assert run_prompts(llm, draft, ids, "cut") == reference
+        new = draft.records[before:]
+        assert new and {r.requested_depth for r in new} == {4}
+        assert sum(r.accepted for r in new) > 0
+        assert agent.stats.plan_version >= 1 and not agent.stats.connected
+    finally:
+        agent.close()
+        serve.stop()
+
+
+def test_adapter_refuses_a_lossy_or_broken_llama(model_path):
+    class Quiet:
+        def decide(self, request_id, context_len, batch_size):
+            return Decision.off()
+
+        def observe(self, step): ...
+
+        def finish(self, summary): ...
+
+    draft = ControlledPromptLookup()
+    llm = Llama(model_path=model_path, draft_model=draft, logits_all=True, **{**LLAMA_KW, "flash_attn": False})
+    with pytest.raises(ValueError, match="no agent"):
+        draft.attach(llm)
+    with pytest.raises(ValueError, match="flash_attn"):
+        draft.attach(llm, Quiet())
+    draft = ControlledPromptLookup(Quiet())
+    llm = Llama(model_path=model_path, draft_model=draft, **LLAMA_KW)  # logits_all left False
+    with pytest.raises(ValueError, match="logits_all"):
+        draft.attach(llm)
+    other = ControlledPromptLookup(Quiet())
+    with pytest.raises(ValueError, match="draft_model"):
+        other.attach(llm)
+    with pytest.raises(RuntimeError, match="attach"):
+        other(np.arange(5, dtype=np.intc))
