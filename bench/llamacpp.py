@@ -287,6 +287,9 @@ def run_llamacpp_bench(out_dir: str = "bench/results", model: str = "smollm2-135
         agents = {n: asdict(a.stats) for n, (_, _, a) in controlled.items()}
         depth_use = {n: _depth_use(d) for n, (_, d, _) in controlled.items()}
     finally:
+        import logging
+
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # grpc.aio pollers of closed agent loops
         for _, _, agent in controlled.values():
             agent.close()
         serve.stop()
@@ -315,6 +318,18 @@ def run_llamacpp_bench(out_dir: str = "bench/results", model: str = "smollm2-135
         _plot(results, summary, prompt_sets, out / "llamacpp.png")
     print(f"wrote {out / 'llamacpp.json'}" + (f" and {out / 'llamacpp.png'}" if plot else ""))
     return 0
+
+
+def replot(json_path: str | Path) -> Path:
+    """Redraw ``llamacpp.png`` beside a ``llamacpp.json``."""
+    report = json.loads(Path(json_path).read_text())
+    fields = set(RunResult.__dataclass_fields__)
+    results = {(r["prompt_set"], r["policy"]): RunResult(**{k: v for k, v in r.items() if k in fields})
+               for r in report["runs"]}
+    sets = list(report["summary"])
+    path = Path(json_path).with_suffix(".png")
+    _plot(results, report["summary"], sets, path)
+    return path
 
 
 def _depth_use(draft: ControlledPromptLookup) -> dict[str, int]:
@@ -383,12 +398,14 @@ def _plot(results, summary, prompt_sets, path: Path) -> None:
         axes[0].annotate(f"{s['controller_vs_best_static']:.2f}x best static\n{s['controller_vs_plain']:.2f}x plain",
                          (x[j] + 0.4, s["controller_tok_s"]), textcoords="offset points", xytext=(0, 8),
                          ha="center", fontsize=7)
+    top = max(r.tokens_per_s for r in results.values())
+    axes[0].set_ylim(0, top * 1.3)  # room for the notes above the controller's bars
     for ax, label in ((axes[0], "tokens / s (wall)"), (axes[1], "τ: accepted draft tokens per step")):
         ax.set_xticks(x + 0.4 - width / 2, prompt_sets)
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_title("llama.cpp (SmolLM2-135M Q4_1, CPU): prompt lookup, static vs under the controller",
-                      fontsize=9)
+                      fontsize=9, pad=4)
     axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
