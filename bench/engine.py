@@ -1,5 +1,6 @@
 """``specctl bench engine``: the reference engine on a real model, drafter by
-drafter, static depths against the controller, at batch 1, 4 and 8.
+drafter, static chains and trees against the controller (cold and warm),
+at batch 1, 4 and 8.
 
 Every run decodes the same held-out prompts (mixed chat / code / math /
 summarisation, not used to train the heads) greedily to ``max_new_tokens``
@@ -20,11 +21,22 @@ through ``worker.reference.engine.Engine`` with ``max_batch = batch``:
   greedy ``generate`` the same way, the peer's own baseline
   (``speedup_vs_hf_plain``). Both are stepped one target forward per round
   in the lockstep below (``_SteppedGenerate``), like the engines;
-- ``ngram`` / ``medusa`` / ``eagle`` at ``static-dK`` (chains) and under the
-  controller (policy = a preset name): an in-process controller on loopback,
-  one ``SpeculationAgent`` per drafter; the agent observes the drafter's
-  static runs too, so the controller fits its cost and acceptance models as
-  the benchmark goes;
+- ``ngram`` / ``medusa`` / ``eagle`` static, at ``static-dK`` (chains of
+  each of ``depths``) and ``static-dDwWnN`` (trees of ``trees``: depth,
+  width, draft nodes, clamped to the drafter's limits), and under the
+  controller (policy = the preset name + ``-cold`` / ``-warm``): an
+  in-process controller on loopback, one ``SpeculationAgent`` per drafter,
+  observing its own runs only (no static or plain run feeds it).
+  ``-cold``: a fresh controller per batch size, no traffic before the timed
+  run (it starts from the worker's start-up calibration and the policy's
+  priors). ``-warm``: one controller for the whole benchmark that decodes
+  ``warmup_prompts`` warm-up prompts untimed before each batch size's timed
+  runs. The warm-up prompts are held-out prompts of the shipped ``all`` set
+  that are not evaluation prompts (``eval_and_warmup_prompts``): like the
+  evaluation prompts the heads never trained on them, and none is an
+  evaluation prompt (checked). The controller's acceptance model is shared
+  by every worker of a drafter version, so a fresh worker id on the warm
+  controller would not be cold: the cold runs get controllers of their own;
 - ``oracle`` / ``static-dK``: replays the target's own greedy continuation
   (100% acceptance), the ceiling of this verification pipeline here.
 
@@ -50,11 +62,20 @@ while CPU time only counts the cycles the engine got, so
 on wall time; both against the mean of the two plain configurations of the
 same batch. ``mean_accepted``: mean τ per row-step.
 ``lossless``: every output equals the plain run's token for token.
+
+``static_vs_controller`` in the JSON: per learned drafter and batch size, the
+best static configuration in hindsight over its chains and trees (picked on
+the same measurement, so it carries the luck of the best of several noisy
+runs), the best chain and the best tree, the cold and warm controller and
+their ratios to the best static one and to max(best static, plain); and,
+reported, not a gate, the warm controller's share of the best oracle
+speedup of that batch.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -66,7 +87,8 @@ import torch
 from policies.table import Decision
 from worker.reference.threads import inherit_threads, set_threads
 
-__all__ = ["EngineRun", "run_engine_bench"]
+__all__ = ["DEFAULT_DEPTHS", "DEFAULT_TREES", "EngineRun", "eval_and_warmup_prompts", "eval_prompts",
+           "run_engine_bench", "static_shapes", "static_vs_controller"]
 
 
 @dataclass
@@ -147,24 +169,20 @@ class _Tally:
                          nodes_per_spec_row_step=round(self.draft_nodes / max(self.spec_row_steps, 1), 2))
 
 
-class _FanOut:
-    """Observer that forwards telemetry to several agents (plain runs feed all)."""
-
-    def __init__(self, observers):
-        self.observers = [o for o in observers if o is not None]
-
-    def observe(self, step):
-        for o in self.observers:
-            o.observe(step)
-
-    def finish(self, summary):
-        for o in self.observers:
-            o.finish(summary)
+# Static trees beside the chains: (depth, width, draft nodes), each clamped to a
+# drafter's limits. The shapes the controller planned at batch 1 in runs A-C
+# (engine-telemetry.jsonl.gz): d2 w4 n5 (Medusa, EAGLE), d3 w2-3 n5 (EAGLE),
+# d4 w2-3 n5-6 (n-gram), d5 w4 n10-12 (n-gram, run A); at batch 4 and 8 d1
+# chains or off, which the d1 chain and plain cover.
+DEFAULT_TREES = ((2, 4, 5), (3, 2, 5), (4, 2, 6), (4, 4, 12))
+DEFAULT_DEPTHS = (1, 2, 4)
+WARMUP_SOURCE = "held-out prompts of the shipped 'all' set that are not evaluation prompts"
 
 
 def eval_prompts(n: int, held_out: float = 0.1):
     """``n`` held-out prompts of the shipped ``all`` set, domains interleaved
-    (the same crc32 split as ``DistillSet.split``)."""
+    (the same crc32 split as ``DistillSet.split``). The first ``n`` of
+    ``eval_prompts(n + m)`` are ``eval_prompts(n)``."""
     from worker.reference.prompts import held_out as held_out_prompts, load_prompts
 
     items = held_out_prompts(load_prompts("all"), held_out)
@@ -179,12 +197,47 @@ def eval_prompts(n: int, held_out: float = 0.1):
     return out
 
 
+def eval_and_warmup_prompts(n: int, warmup: int, held_out: float = 0.1):
+    """``(evaluation prompts, warm-up prompts)``: ``eval_prompts(n)`` and the
+    next ``warmup`` held-out prompts of the ``all`` set (domains interleaved),
+    none of them an evaluation prompt (by id or by text). Held-out prompts,
+    not the training split: the heads trained on the training split, so
+    their acceptance there would overstate what the controller meets on the
+    evaluation prompts. Raises ``ValueError`` when too few are left."""
+    both = eval_prompts(n + warmup, held_out)
+    items, warm = both[:n], both[n:]
+    if len(warm) < warmup:
+        raise ValueError(f"{warmup} warm-up prompts asked for, {len(warm)} held-out prompts left after the "
+                         f"{len(items)} evaluation prompts")
+    if {p.id for p in items} & {p.id for p in warm} or {p.text for p in items} & {p.text for p in warm}:
+        raise AssertionError("a warm-up prompt is an evaluation prompt")
+    return items, warm
+
+
+def static_shapes(limits, depths, trees) -> list[tuple[str, Decision]]:
+    """``(policy name, decision)`` of the static configurations of a drafter:
+    the chains of ``depths`` (``static-dK``), then the trees of ``trees``
+    (``static-dDwWnN``), each clamped to ``limits``; repeats dropped (a tree
+    clamped to width 1 is the chain of its depth)."""
+    out, seen = [], set()
+    for d, w, n in [(k, 1, k) for k in depths] + [tuple(t) for t in trees]:
+        dec = Decision(d, w, n).clamp(limits.max_depth, limits.max_width, limits.max_tree_nodes)
+        if not dec.speculate or dec in seen:
+            continue
+        seen.add(dec)
+        chain = dec.width == 1 and dec.max_nodes == dec.depth
+        out.append((f"static-d{dec.depth}" if chain else f"static-d{dec.depth}w{dec.width}n{dec.max_nodes}", dec))
+    return out
+
+
 def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-135m", batches=(1, 4, 8),
-                     prompts: int = 8, max_new_tokens: int = 48, depths=(2, 4),
+                     prompts: int = 8, max_new_tokens: int = 48, depths=DEFAULT_DEPTHS,
                      drafters=("ngram", "medusa", "eagle", "oracle"), policy: str = "goodput",
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True,
-                     warmup_prompts: int = 0, kernels: str = "tuned", calibrate: bool = True) -> int:
-
+                     warmup_prompts: int = 8, kernels: str = "tuned", calibrate: bool = True,
+                     trees=DEFAULT_TREES) -> int:
+    """The benchmark; see the module docstring. ``warmup_prompts`` = 0: no warm
+    controller (the cold one only)."""
     from controller.background import BackgroundController, in_process_config
     from worker.reference.drafters.oracle import OracleDrafter
     from worker.reference.engine.engine import Engine, static_decide
@@ -195,6 +248,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     set_threads(threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    items, warm_items = eval_and_warmup_prompts(prompts, warmup_prompts)
     lm = load_model(model_name, tune_kernels=kernels == "tuned")
     model, tok = lm.model, lm.tokenizer
     for p in model.parameters():
@@ -202,31 +256,40 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     # With tuned kernels, plain decoding on torch's default kernels runs beside the
     # rest: what the kernels themselves are worth, measured in the same minutes.
     default_model = load_model(model_name).model if lm.kernels is not None else None
-    both = eval_prompts(prompts + warmup_prompts)
-    items = both[:prompts]
     ids = [chat_ids(tok, p.text) for p in items]
-    # ``warmup_prompts`` other held-out prompts, run untimed under the controller before each
-    # batch size's timed runs, show it past its first plans (fallback chain, prior cost model,
-    # first probes); 0 times it from a cold start, learning alongside the static runs.
-    warm_ids = [chat_ids(tok, p.text) for p in both[prompts:]]
+    warm_ids = [chat_ids(tok, p.text) for p in warm_items]
 
     learned = [d for d in drafters if d in ("ngram", "medusa", "eagle")]
     built = {d: build_drafter(d, model, heads_dir, model_name) for d in learned}
-    # The controller records what it receives (DIR/engine-telemetry.jsonl.gz: every step's
-    # decisions, times and outcomes), so its choices can be read step by step afterwards.
-    controller = (BackgroundController(in_process_config(policy, record=str(out / "engine-telemetry.jsonl.gz")))
-                  if policy and learned else None)
-    agents = {}
+    shapes = {d: static_shapes(built[d].limits, depths, trees) for d in learned}
+    controlled = bool(policy and learned)
     calibration = []
-    if controller is not None:
-        from worker.sdk.agent import AgentOptions, SpeculationAgent
+    # What a worker does at start-up: its Hello carries the verify times of a grid of shapes.
+    if controlled and calibrate:
         from worker.reference.engine.calibrate import calibrate_verify
 
-        if calibrate:  # what a worker does at start-up: its Hello carries the verify times of a grid of shapes
-            calibration = calibrate_verify(model, max(batches), max(built[d].limits.max_tree_nodes for d in learned))
-        for d in learned:
-            hello = make_hello(f"bench-{d}", model_name, model, built[d], max(batches), calibration)
-            agents[d] = SpeculationAgent(hello, controller.address, AgentOptions(fallback=Decision.chain(2))).start()
+        calibration = calibrate_verify(model, max(batches), max(built[d].limits.max_tree_nodes for d in learned))
+
+    def start_controller(record: str, suffix: str):
+        """A controller recording what it receives (``DIR/<record>``: every step's decisions, times
+        and outcomes, readable step by step afterwards) and one agent per learned drafter."""
+        from worker.sdk.agent import AgentOptions, SpeculationAgent
+
+        ctl = BackgroundController(in_process_config(policy, record=str(out / record)))
+        agents = {}
+        try:
+            for d in learned:
+                hello = make_hello(f"bench-{d}{suffix}", model_name, model, built[d], max(batches), calibration)
+                agents[d] = SpeculationAgent(hello, ctl.address, AgentOptions(fallback=Decision.chain(2))).start()
+        except BaseException:
+            stop_controller(ctl, agents)
+            raise
+        return ctl, agents
+
+    def stop_controller(ctl, agents) -> None:
+        for a in agents.values():
+            a.close()
+        ctl.close()
 
     # Greedy output does not depend on the configuration (every run is
     # checked against this), so one untimed pass gives the reference and the
@@ -234,38 +297,53 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     reference = Engine(model, max_batch=len(ids)).generate(ids, max_new_tokens)
     truth = {tuple(p): o for p, o in zip(ids, reference)}
     tallies: dict[tuple[str, str, int], _Tally] = {}
+    fitted: dict = {}
+    warm_ctl, warm_agents = (start_controller("engine-telemetry.jsonl.gz", "")
+                             if controlled and warm_ids else (None, {}))
     try:
         for batch in batches:
-            for d, agent in agents.items():
+            # The warm controller sees the warm-up prompts (untimed), then its own timed run; nothing else.
+            for d, agent in warm_agents.items():
                 Engine(model, built[d], agent.decide, observer=agent, max_batch=batch).generate(warm_ids,
                                                                                                 max_new_tokens)
-            specs = [("none", "plain", None, None, _FanOut(agents.values()))]
-            for d in learned:
-                specs += [(d, f"static-d{k}", built[d], static_decide(Decision.chain(k)), agents.get(d))
-                          for k in depths]
-                if d in agents:
-                    specs.append((d, policy, built[d], agents[d].decide, agents[d]))
-            if "oracle" in drafters:
-                specs += [("oracle", f"static-d{k}", OracleDrafter(truth, max_depth=max(depths)),
-                           static_decide(Decision.chain(k)), None) for k in depths]
-            specs.append(("none", "plain-repeat", None, None, None))
-            if default_model is not None:
-                specs.append(("none", "plain-default-kernels", None, None, None, default_model))
-            # transformers' generate, batch 1 only: plain greedy (k = 0) and prompt lookup at each depth
-            hf_depths = (0, *depths) if batch == 1 else ()
-            _lockstep(model, Engine, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies)
-            for d, agent in agents.items():
-                tallies[(d, policy, batch)].note = (f"plan v{agent.plan_version}; decision at this batch at the "
-                                                    f"end: {agent.decide('probe', 200, batch)}")
-        fitted = _fitted_costs(controller.address, batches) if controller is not None else {}
+            # The cold one: a controller of its own for this batch size, no traffic before the timed run.
+            cold_ctl, cold_agents = (start_controller(f"engine-telemetry-cold-b{batch}.jsonl.gz", f"-cold-b{batch}")
+                                     if controlled else (None, {}))
+            try:
+                specs = [("none", "plain", None, None, None)]
+                for d in learned:
+                    specs += [(d, name, built[d], static_decide(dec), None) for name, dec in shapes[d]]
+                    for tag, agents in (("cold", cold_agents), ("warm", warm_agents)):
+                        if d in agents:
+                            specs.append((d, f"{policy}-{tag}", built[d], agents[d].decide, agents[d]))
+                if "oracle" in drafters:
+                    specs += [("oracle", f"static-d{k}", OracleDrafter(truth, max_depth=max(depths)),
+                               static_decide(Decision.chain(k)), None) for k in depths]
+                specs.append(("none", "plain-repeat", None, None, None))
+                if default_model is not None:
+                    specs.append(("none", "plain-default-kernels", None, None, None, default_model))
+                # transformers' generate, batch 1 only: plain greedy (k = 0) and prompt lookup at each depth
+                hf_depths = (0, *depths) if batch == 1 else ()
+                _lockstep(model, Engine, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies)
+                for tag, agents in (("cold", cold_agents), ("warm", warm_agents)):
+                    for d, agent in agents.items():
+                        tallies[(d, f"{policy}-{tag}", batch)].note = (
+                            f"plan v{agent.plan_version}; decision at this batch at the end: "
+                            f"{agent.decide('probe', 200, batch)}")
+                if cold_ctl is not None:
+                    _settle(cold_agents)
+                    fitted.update(_fitted_costs(cold_ctl.address, (batch,)))
+            finally:
+                if cold_ctl is not None:
+                    logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # grpc.aio pollers of closed agent loops
+                    stop_controller(cold_ctl, cold_agents)
+        if warm_ctl is not None:
+            _settle(warm_agents)
+            fitted.update(_fitted_costs(warm_ctl.address, batches))
     finally:
-        import logging
-
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # grpc.aio pollers of closed agent loops
-        for a in agents.values():
-            a.close()
-        if controller is not None:
-            controller.close()
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        if warm_ctl is not None:
+            stop_controller(warm_ctl, warm_agents)
 
     runs = [t.run(name, pol, batch) for (name, pol, batch), t in tallies.items()]
     for r in runs:
@@ -278,13 +356,16 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         hf_plain = tallies.get(("hf-generate", "plain", r.batch))
         if r.drafter.startswith("hf-") and hf_plain is not None:
             r.speedup_vs_hf_plain = round(r.tokens_per_cpu_s / (hf_plain.tokens / hf_plain.cpu), 3)
+    summary = static_vs_controller(runs, policy)
     result = {
         "model": model_name,
         "prompts": [p.id for p in items],
         "max_new_tokens": max_new_tokens,
         "threads": torch.get_num_threads(),
         "policy": policy,
-        "controller_warmup_prompts": [p.id for p in both[prompts:]] if agents else [],
+        "controller_warmup_prompts": [p.id for p in warm_items] if warm_agents else [],
+        "controller_warmup_source": WARMUP_SOURCE if warm_agents else "",
+        "static_shapes": {d: [name for name, _ in shapes[d]] for d in learned},
         "heads": {d: getattr(built[d], "version", "") for d in learned},
         "kernels": _kernel_summary(lm.kernels),
         # one pass over every linear layer in the model's order, per row count: what chose the kernels
@@ -292,14 +373,53 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                                                           **{n: list(ms) for n, ms in lm.kernels.stack.total.items()}},
         "controller_cost_models": fitted,
         "calibration": [asdict(t) for t in calibration],
+        "static_vs_controller": summary,
         "runs": [asdict(r) for r in runs],
     }
     (out / "engine.json").write_text(json.dumps(result, indent=1))
     if plot:
         _plot(runs, out / "engine.png", batches)
     _print_table(runs)
+    _print_summary(summary)
     print(f"wrote {out / 'engine.json'}" + (f" and {out / 'engine.png'}" if plot else ""))
     return 0
+
+
+def static_vs_controller(runs, policy: str) -> list[dict]:
+    """Per learned drafter and batch size: the best static configuration in
+    hindsight (over chains and trees; speedups against plain, CPU time), the
+    best chain and tree, the cold and warm controller and their ratios to
+    it, and the warm (else cold) controller's share of the best oracle speedup of the
+    batch (reported, not a goal)."""
+    out = []
+    keys = sorted({(r.drafter, r.batch) for r in runs if r.drafter in ("ngram", "medusa", "eagle")},
+                  key=lambda k: (k[1], ("ngram", "medusa", "eagle").index(k[0])))
+    for drafter, batch in keys:
+        rs = [r for r in runs if r.drafter == drafter and r.batch == batch]
+        static = [r for r in rs if r.policy.startswith("static-")]
+        if not static:
+            continue
+        chains = [r for r in static if "w" not in r.policy]
+        tree_runs = [r for r in static if "w" in r.policy]
+        best = max(static, key=lambda r: r.speedup_vs_plain)
+        row = {"drafter": drafter, "batch": batch, "best_static": best.policy,
+               "best_static_speedup": best.speedup_vs_plain}
+        for label, group in (("chain", chains), ("tree", tree_runs)):
+            b = max(group, key=lambda r: r.speedup_vs_plain) if group else None
+            row[f"best_{label}"] = b.policy if b else ""
+            row[f"best_{label}_speedup"] = b.speedup_vs_plain if b else 0.0
+        oracle = [r.speedup_vs_plain for r in runs if r.drafter == "oracle" and r.batch == batch]
+        for tag in ("cold", "warm"):
+            c = next((r for r in rs if r.policy == f"{policy}-{tag}"), None)
+            row[tag] = c.speedup_vs_plain if c else None
+            row[f"{tag}_vs_best_static"] = round(c.speedup_vs_plain / best.speedup_vs_plain, 3) if c else None
+            row[f"{tag}_vs_best_static_or_plain"] = (round(c.speedup_vs_plain / max(best.speedup_vs_plain, 1.0), 3)
+                                                     if c else None)
+        ctl = row["warm"] if row["warm"] is not None else row["cold"]
+        row["share_of_oracle"] = round(ctl / max(oracle), 3) if oracle and ctl is not None else None
+        row["lossless"] = all(r.lossless for r in rs)
+        out.append(row)
+    return out
 
 
 def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies) -> None:
@@ -502,6 +622,17 @@ class _SteppedGenerate(_TurnThread):
         self._hook.remove()
 
 
+def _settle(agents, timeout_s: float = 5.0, ingest_s: float = 0.3) -> None:
+    """Wait until the agents have sent what they observed (they flush every
+    0.1 s), and a little more for the controller to take it in, so that the
+    fitted costs and the recording hold the last requests too."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(getattr(a, "_steps", None) or getattr(a, "_finished", None)
+                                              for a in agents.values()):
+        time.sleep(0.05)
+    time.sleep(ingest_s)
+
+
 def _fitted_costs(address: str, batches, context_len: float = 200.0) -> dict:
     """What the controller's cost model of each agent's worker says at the end:
     its fit error and the verify ms it predicts for a batch of ``context_len``-token
@@ -536,11 +667,23 @@ def _kernel_summary(report) -> dict:
 
 
 def _print_table(runs) -> None:
-    print(f"{'drafter':18} {'policy':14} {'batch':>5} {'tok/s':>7} {'tok/cpu-s':>9} {'speedup':>7} {'(wall)':>7} "
+    print(f"{'drafter':18} {'policy':18} {'batch':>5} {'tok/s':>7} {'tok/cpu-s':>9} {'speedup':>7} {'(wall)':>7} "
           f"{'τ':>5} {'lossless':>8}")
     for r in runs:
-        print(f"{r.drafter:18} {r.policy:14} {r.batch:>5} {r.tokens_per_s:7.2f} {r.tokens_per_cpu_s:9.2f} "
+        print(f"{r.drafter:18} {r.policy:18} {r.batch:>5} {r.tokens_per_s:7.2f} {r.tokens_per_cpu_s:9.2f} "
               f"{r.speedup_vs_plain:7.3f} {r.speedup_vs_plain_wall:7.3f} {r.mean_accepted:5.2f} {str(r.lossless):>8}")
+
+
+def _print_summary(summary) -> None:
+    if not summary:
+        return
+    print(f"\n{'drafter':8} {'batch':>5} {'best static (hindsight)':>26} {'cold':>6} {'warm':>6} "
+          f"{'cold/best':>9} {'warm/best':>9}")
+    for s in summary:
+        cold, warm = (f"{s[k]:.3f}" if s[k] is not None else "-" for k in ("cold", "warm"))
+        rc, rw = (f"{s[k]:.3f}" if s[k] is not None else "-" for k in ("cold_vs_best_static", "warm_vs_best_static"))
+        best = f"{s['best_static']} {s['best_static_speedup']:.3f}"
+        print(f"{s['drafter']:8} {s['batch']:>5} {best:>26} {cold:>6} {warm:>6} {rc:>9} {rw:>9}")
 
 
 def _plot(runs, path: Path, batches) -> None:
@@ -549,20 +692,32 @@ def _plot(runs, path: Path, batches) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 5), sharey=True, squeeze=False)
-    colors = {"none": "#888888", "hf-generate": "#ccaa77", "hf-prompt-lookup": "#bb8844", "ngram": "#4477aa", "medusa": "#aa3377",
-              "eagle": "#228833", "oracle": "#222222"}
-    for ax, batch in zip(axes[0], batches):
-        rs = [r for r in runs if r.batch == batch and r.policy != "plain-repeat"]
+    per_batch = {b: [r for r in runs if r.batch == b and r.policy != "plain-repeat"] for b in batches}
+    width = max(8.0, 0.32 * max(len(rs) for rs in per_batch.values()))
+    fig, axes = plt.subplots(len(batches), 1, figsize=(width, 4.6 * len(batches)), squeeze=False)
+    colors = {"none": "#888888", "hf-generate": "#ccaa77", "hf-prompt-lookup": "#bb8844", "ngram": "#4477aa",
+              "medusa": "#aa3377", "eagle": "#228833", "oracle": "#222222"}
+    for ax, batch in zip(axes[:, 0], batches):
+        rs = per_batch[batch]
         labels = [f"{r.drafter}\n{r.policy}" for r in rs]
-        ax.bar(range(len(rs)), [r.speedup_vs_plain for r in rs], color=[colors.get(r.drafter, "#999") for r in rs])
+        # static trees lighter than chains; the controller hatched: '//' cold, 'xx' warm
+        bars = ax.bar(range(len(rs)), [r.speedup_vs_plain for r in rs],
+                      color=[colors.get(r.drafter, "#999") for r in rs], edgecolor="k", linewidth=0.4)
+        for bar, r in zip(bars, rs):
+            if r.policy.startswith("static-") and "w" in r.policy:
+                bar.set_alpha(0.55)
+            elif r.policy.endswith("-cold"):
+                bar.set_hatch("//")
+            elif r.policy.endswith("-warm"):
+                bar.set_hatch("xx")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks(range(len(rs)))
-        ax.set_xticklabels(labels, rotation=70, fontsize=7)
-        ax.set_title(f"batch {batch}")
+        ax.set_xticklabels(labels, rotation=70, fontsize=6)
+        ax.set_title(f"batch {batch}: static chains (solid), static trees (light), controller cold (//) and "
+                     f"warm (xx)", fontsize=9)
+        ax.set_ylabel("speedup vs plain greedy, same batch\n(engine CPU time); labels: tok/s (wall)", fontsize=8)
         for i, r in enumerate(rs):
-            ax.text(i, r.speedup_vs_plain + 0.02, f"{r.tokens_per_s:.0f}", ha="center", fontsize=6)
-    axes[0][0].set_ylabel("speedup vs plain greedy, same batch (engine CPU time)\nbar labels: tokens/s (wall)")
+            ax.text(i, r.speedup_vs_plain + 0.02, f"{r.tokens_per_s:.0f}", ha="center", fontsize=5)
     fig.suptitle("specctl reference engine, SmolLM2-135M on this CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -5,12 +5,18 @@ context_len, batch_size)``), but instead of a plan it reads the simulator
 itself:
 
 - the **true acceptance** of every running request at the step's start time
-  (``worker.acceptance.rank_probs_batch`` — the same ``q[k, r]`` the
-  simulator samples outcomes from: context decay, domain drift, the
-  request's own predictability multiplier), and
-- the **true step cost** (``worker.cost``, the roofline the simulator charges:
-  verify with attention pairs, EAGLE's per-level draft forwards or Medusa's
-  single pass), noise-free.
+  (``worker.rank_probs`` — the same ``q[k, r]`` the simulator samples
+  outcomes from: context decay, domain drift, the request's own
+  predictability multiplier and, when the scenario makes acceptance
+  correlated (``traffic.correlated_acceptance``), the request's current
+  hidden span state at each draft level: its tree values are the expected
+  values *given the state*, a deep tree for a request inside a near-copy
+  span and none for one inside a span nothing matches — what no causal
+  policy can see, it only has the outcomes of past steps), and
+- the **true step cost** (``worker.cost``, what the simulator charges: the
+  roofline — verify with attention pairs, EAGLE's per-level draft forwards
+  or Medusa's single pass — or a measured GPU table,
+  :class:`worker.sim.measured.MeasuredCostModel`), noise-free.
 
 Every step it maximises the step's expected goodput ``Σ_i E[τ_i + 1] /
 (T_draft + T_verify)`` — the SmartSpec objective the goodput policy also
@@ -22,34 +28,50 @@ simulator builds its trees from), and the batch takes the TETRIS rule of
 ranked by value — for every batch-wide depth cap ``L = 1..max_depth`` (a
 draft level is one forward for the whole batch, so opening a level at all is
 a decision a value-ordered prefix alone gets wrong), each prefix priced
-exactly by the simulator's own :class:`worker.sim.hardware.CostModel` for
-*this* batch (its real context lengths, deepest level, tree widths,
-attention pairs). The best (cap, prefix) wins; it is reused while the batch
+exactly by the simulator's own cost model for *this* batch (its real
+context lengths, deepest level, tree widths, attention pairs). Beside the
+prefixes it prices every uniform allocation a static configuration of the
+policy benchmark's grid would make (every request the same best-first tree
+of ``(depth, width, depth · width nodes)``): a value-ordered prefix mixes
+widths across requests, and the per-level draft cost can favour the plain
+uniform tree. The best candidate of all wins; it is reused while the batch
 and its requests' tree values stay the same (:data:`REUSE_STEPS`).
+
+On the roofline the prefixes are pruned exactly by its structure (nodes past
+the kink cost at least ``token_ms`` each); any other truth has no such
+structure, so every prefix of the :data:`MAX_CANDIDATES` best nodes is priced.
 
 Why nothing causal can beat it (up to sampling noise): it chooses from the
 same action space as every policy — per-request depth, width, node budget,
 on/off, any step — but with information no causal policy has: the exact
-acceptance probability of each request *now* (a causal policy only has
-estimates learned from past, censored outcomes, pooled per context bucket,
-lagging behind drift) and the exact cost of each candidate batch shape (a
-causal policy has a fitted model); and it decides every step with no plan
-delivery delay. Given the batch, its choice maximises the step's expected
+acceptance probability of each request *now*, its span state included (a
+causal policy only has estimates learned from past, censored outcomes,
+pooled per context bucket, lagging behind drift, and so under correlated
+acceptance only the mix of states, not which one a request is in) and the exact cost of each candidate batch shape (a
+causal policy has a fitted model); it decides every step with no plan
+delivery delay; and each step it weighs every static grid configuration's
+allocation too. Given the batch, its choice maximises the step's expected
 goodput. What could still let a policy edge past it on one run: luckier
 outcome draws, and queueing feedback the per-step optimum ignores (how this
 step's speed reshapes later batches). The per-step ratio is used rather than
 a fleet-wide ``E[tokens] − λ·time`` (Dinkelbach) for that reason: with λ the
 run's average, bursts would overspend on speculation while the queue grows.
+(On the measured H200 table, where the best allocation is nearly always the
+plain depth-3 chain, the static depth-3 chain lands 0.1-0.3 % above the
+oracle on a saturated one-worker scenario, with short or long outputs alike:
+most likely the few steps where the per-step optimum goes deeper do not pay
+over the run.)
 The benchmark reports the ratio to the oracle, so a policy above 1.0 would show.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
-from policies.goodput import capped_node_lists
+from policies.goodput import best_first_nodes, capped_node_lists
 from policies.table import Decision
 from worker.sim.tree import CONF_SCALE, quantize
 from worker.sim.worker import SimWorker
@@ -60,6 +82,23 @@ MAX_CANDIDATES = 4096  # nodes considered per step (the best by value); far more
 # between only the KV read grows, by a few tokens per request per step, which moves
 # a step's price by far less than its 3 % timing noise.
 REUSE_STEPS = 32
+# Tree widths of the static grid when none is given: the policy benchmark's
+# (bench.policies.GRID_WIDTHS), at every depth 0..max_depth.
+DEFAULT_STATIC_WIDTHS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What one request could draft, from its 1/256-quantised ``q``.
+
+    ``lists``: best-first node lists under every depth cap, packed as
+    :meth:`OracleDecider.node_lists` describes; ``statics``: ``[S, 4]`` rows
+    ``(expected accepted, nodes, depth, width)`` of the tree each static
+    decision builds for it.
+    """
+
+    lists: np.ndarray
+    statics: np.ndarray
 
 
 class OracleDecider:
@@ -68,18 +107,35 @@ class OracleDecider:
     Call :meth:`begin_step` with the step's start time before each
     ``worker.step``; the first ``decide`` of the step allocates the whole
     batch, the others read the answer.
+
+    Parameters
+    ----------
+    worker
+        The simulated worker whose truth it reads.
+    static_grid
+        ``(depth, width)`` points of the static configurations whose uniform
+        allocations are candidates too (``Decision(depth, width, depth · width)``,
+        as the policy benchmark runs them); default: every depth
+        ``0..max_depth`` × :data:`DEFAULT_STATIC_WIDTHS`.
     """
 
-    def __init__(self, worker: SimWorker) -> None:
+    def __init__(self, worker: SimWorker, static_grid: Sequence[tuple[int, int]] | None = None) -> None:
         self.worker = worker
-        self.cost = worker.cost  # the simulator's own roofline, priced noise-free
+        self.cost = worker.cost  # the simulator's own cost truth, priced noise-free
         self.max_depth, self.max_width, self.max_nodes = worker.max_depth, worker.max_width, worker.max_nodes
+        if static_grid is None:
+            static_grid = [(d, w) for d in range(self.max_depth + 1) for w in DEFAULT_STATIC_WIDTHS]
+        # Clamped as the simulator clamps them; "off" is already the empty prefix.
+        clamped = (Decision(d, w, d * w).clamp(self.max_depth, self.max_width, self.max_nodes)
+                   for d, w in static_grid if d > 0)
+        self.static_decisions: list[Decision] = list(dict.fromkeys(clamped))
         self.now = 0.0
         self.fresh = True
         self.decisions: dict[str, Decision] = {}
-        self._cache: dict[bytes, np.ndarray] = {}
-        self._memo: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._last: tuple[list[np.ndarray], dict[str, Decision], int] | None = None  # lists, answer, steps used
+        self._cache: dict[bytes, RequestOptions] = {}
+        # (request id, its draft levels' span states) -> (q, its options)
+        self._memo: dict[tuple[str, bytes], tuple[np.ndarray, RequestOptions]] = {}
+        self._last: tuple[list[RequestOptions], dict[str, Decision], int] | None = None  # options, answer, steps used
         self.alpha1_sum = 0.0  # Σ over decided request-steps of the true q[1, 1] (for plots)
         self.alpha1_n = 0
 
@@ -103,6 +159,10 @@ class OracleDecider:
         which leaves out nodes worth less than ``MIN_NODE_VALUE``). Cached by the
         1/256-quantised ``q`` — the simulator's own tree key.
         """
+        return self.options(q).lists
+
+    def options(self, q: np.ndarray) -> RequestOptions:
+        """:meth:`node_lists` and the static trees of one request, cached by its quantised ``q``."""
         qconf = quantize(q)
         key = qconf.tobytes()
         hit = self._cache.get(key)
@@ -111,25 +171,47 @@ class OracleDecider:
                 self._cache.clear()
             conf = qconf / CONF_SCALE  # the simulator builds its trees from these confidences
             n = self.max_nodes
-            hit = np.zeros((self.max_depth, 3 * n + 3))
+            lists = np.zeros((self.max_depth, 3 * n + 3))
             for cap, nodes in enumerate(capped_node_lists(conf, self.max_depth, self.max_width, n)):
                 k = len(nodes.values)
-                row = hit[cap]
+                row = lists[cap]
                 row[:k] = nodes.values
                 row[n : n + k + 1] = nodes.depth
                 row[2 * n + 1 : 2 * n + k + 2] = nodes.width
                 row[3 * n + 2] = k
-            self._cache[key] = hit
+            hit = self._cache[key] = RequestOptions(lists, self.static_trees(conf))
         return hit
 
-    def batch_lists(self, q: np.ndarray) -> list[np.ndarray]:
-        """:meth:`node_lists` of every running request (``q``: [batch, depth, width]),
+    def static_trees(self, conf: np.ndarray) -> np.ndarray:
+        """``[S, 4]``: ``(expected accepted, nodes, depth, width)`` of the tree the simulator
+        builds for each static decision from confidences ``conf`` (as
+        :meth:`worker.sim.tree.TreeCache.get` does: a chain for width 1, else the
+        best-first tree within the decision's limits, every node kept)."""
+        out = np.zeros((len(self.static_decisions), 4))
+        for s, d in enumerate(self.static_decisions):
+            if d.width == 1 or d.max_nodes == 1:
+                m = min(d.depth, d.max_nodes, conf.shape[0])
+                out[s] = (float(np.cumprod(conf[:m, 0]).sum()), m, m, 1 if m else 0)
+            else:
+                nodes = best_first_nodes(conf, d.depth, d.width, d.max_nodes)
+                k = len(nodes.values)
+                out[s] = (float(nodes.values.sum()), k, nodes.depth[k], nodes.width[k])
+        return out
+
+    def batch_lists(self, q: np.ndarray) -> list[RequestOptions]:
+        """:meth:`options` of every running request (``q``: [batch, depth, width]),
         each reused while its ``q`` stays within half a confidence quantum of the one
-        its lists were built for (context grows a few tokens a step; ``q`` moves far
-        slower than that)."""
+        its options were built for (context grows a few tokens a step; ``q`` moves far
+        slower than that). Under correlated acceptance a request's options are kept
+        per window of span states its draft levels fall in, so a request that
+        comes back to a state it was in reuses them under the same rule."""
         running = self.worker.running
         memo = self._memo
-        refs = [memo.get(r.request_id) for r in running]
+        if self.worker.spans is None:
+            keys = [(r.request_id, b"") for r in running]
+        else:
+            keys = [(r.request_id, row.tobytes()) for r, row in zip(running, self.worker.span_states(running))]
+        refs = [memo.get(k) for k in keys]
         known = [i for i, ref in enumerate(refs) if ref is not None]
         fresh = np.ones(len(running), dtype=bool)
         if known:
@@ -138,53 +220,53 @@ class OracleDecider:
         out = []
         for i, r in enumerate(running):
             if fresh[i]:
-                lists = self.node_lists(q[i])
-                memo[r.request_id] = (q[i], lists)
-                out.append(lists)
+                options = self.options(q[i])
+                memo[keys[i]] = (q[i], options)
+                out.append(options)
             else:
                 out.append(refs[i][1])
         if len(memo) > 4096:
             live = {r.request_id for r in running}
-            self._memo = {k: v for k, v in memo.items() if k in live}
+            self._memo = {k: v for k, v in memo.items() if k[0] in live}
         return out
 
     # -- per batch -----------------------------------------------------------
     def allocate(self) -> dict[str, Decision]:
-        """The step's decisions: :meth:`_allocate` on the batch's true node lists,
-        or its last answer while the batch and its lists are unchanged."""
+        """The step's decisions: :meth:`_allocate` on the batch's true options,
+        or its last answer while the batch and its options are unchanged."""
         w = self.worker
         running = w.running
         b = len(running)
         if b == 0:
             return {}
         ctx = np.array([r.prompt_len + r.generated for r in running], dtype=np.float64)
-        factors: dict[str, float] = {}
-        dom = np.array([factors.setdefault(r.domain, w.acceptance.domain_factor(r.domain, self.now)) for r in running])
-        q = w.acceptance.rank_probs_batch(ctx, dom, np.array([r.multiplier for r in running]))
+        q = w.rank_probs(running, self.now)  # exactly what the step samples from, hidden span states included
         self.alpha1_sum += float(q[:, 0, 0].sum())
         self.alpha1_n += b
-        lists = self.batch_lists(q)
+        options = self.batch_lists(q)
         last = self._last
         if (last is not None and last[2] < REUSE_STEPS and len(last[0]) == b
-                and all(x is y for x, y in zip(last[0], lists))):
+                and all(x is y for x, y in zip(last[0], options))):
             self._last = (last[0], last[1], last[2] + 1)
             return last[1]
-        out = self._allocate(lists, ctx)
-        self._last = (lists, out, 1)
+        out = self._allocate(options, ctx)
+        self._last = (options, out, 1)
         return out
 
-    def _allocate(self, lists: list[np.ndarray], ctx: np.ndarray) -> dict[str, Decision]:
-        """Best (depth cap, TETRIS prefix) for the batch, priced exactly.
+    def _allocate(self, options: list[RequestOptions], ctx: np.ndarray) -> dict[str, Decision]:
+        """Best (depth cap, TETRIS prefix) or uniform static allocation for the batch, priced exactly.
 
         For each batch-wide depth cap ``L`` — a draft level is one forward for
         the whole batch, so whether a level is opened at all is the decision
         that matters — every request's node list is its best-first tree capped
         at ``L``; the lists are merged by value and every prefix is priced with
-        the true cost. The best prefix over all caps wins.
+        the true cost. Each static grid decision given to every request is
+        priced the same way. The best of all wins (a static one only when it
+        scores strictly higher).
         """
         running = self.worker.running
         b = len(running)
-        packed = np.stack(lists)  # [B, L, 3N + 3]
+        packed = np.stack([o.lists for o in options])  # [B, L, 3N + 3]
         n = self.max_nodes
         values_all = packed[:, :, :n]  # [B, L, N]
         depth_all = packed[:, :, n : 2 * n + 1].astype(np.int64)  # [B, L, N + 1]
@@ -199,17 +281,22 @@ class OracleDecider:
         # merged order (stable within a request, whose values do not increase).
         vals = values_all.transpose(1, 0, 2).reshape(caps, b * n)  # [cap, B·N]
         valid = (np.arange(n)[None, None, :] < count_all.T[:, :, None]).reshape(caps, b * n)
-        # Exact pruning: past the roofline's kink a node costs at least one
-        # token of verify compute (``token_ms``), and the best ratio is at
-        # least the ratio with no speculation, ``r_off``; a node worth less than
-        # ``r_off · token_ms`` there would lower the ratio, so it is never in
-        # the best prefix. Below the kink nodes are free to verify: all stay.
-        r_off = b / float(self.cost.verify_ms(float(b), kv, kv))
-        below_kink = max(0, int(self.cost.memory_ms(kv) / self.cost.token_ms) - b + 1)
-        worth = valid & (vals >= r_off * self.cost.token_ms)
-        if below_kink == 0:
-            valid = worth
-        n_keep = max(1, min(MAX_CANDIDATES, below_kink + int(worth.sum(axis=1).max())))
+        if self.cost.roofline:
+            # Exact pruning: past the roofline's kink a node costs at least one
+            # token of verify compute (``token_ms``), and the best ratio is at
+            # least the ratio with no speculation, ``r_off``; a node worth less than
+            # ``r_off · token_ms`` there would lower the ratio, so it is never in
+            # the best prefix. Below the kink nodes are free to verify: all stay.
+            r_off = b / float(self.cost.verify_ms(float(b), kv, kv, batch=b))
+            below_kink = max(0, int(self.cost.memory_ms(kv) / self.cost.token_ms) - b + 1)
+            worth = valid & (vals >= r_off * self.cost.token_ms)
+            if below_kink == 0:
+                valid = worth
+            n_keep = max(1, min(MAX_CANDIDATES, below_kink + int(worth.sum(axis=1).max())))
+        else:
+            # A measured truth has no kink and no per-token floor: every prefix
+            # of the best MAX_CANDIDATES nodes is priced.
+            n_keep = max(1, min(MAX_CANDIDATES, int(valid.sum(axis=1).max())))
         # Sort key: value, then position (a request's nodes keep their order, so
         # every prefix of the merged ranking holds a prefix of each request's list).
         keys = np.where(valid, -vals, np.inf) + np.arange(b * n) * 1e-12
@@ -241,7 +328,7 @@ class OracleDecider:
         attn = np.full((caps, n_cand + 1), kv)
         np.cumsum(ctx_i, axis=1, out=attn[:, 1:])
         attn[:, 1:] += kv
-        step_ms = self.cost.verify_ms(b + taken, kv, attn) + self.cost.draft_levels_ms(count, width_sum, kv_l)
+        step_ms = self.cost.verify_ms(b + taken, kv, attn, batch=b) + self.cost.draft_levels_ms(count, width_sum, kv_l)
         in_list = np.arange(n_cand)[None, :] < n_valid[:, None]
         tokens = np.full((caps, n_cand + 1), float(b))
         np.cumsum(np.take_along_axis(vals, order, axis=1) * in_list, axis=1, out=tokens[:, 1:])
@@ -250,10 +337,14 @@ class OracleDecider:
         score[taken[None, :] > n_valid[:, None]] = -np.inf
         flat = int(np.argmax(score))
         cap_index, p = divmod(flat, score.shape[1])
-        best_choice = (cap_index + 1, i[cap_index, :p]) if np.isfinite(score.flat[flat]) else None
-        if best_choice is None:
+        best = float(score.flat[flat])
+        static = self._best_static(options, ctx, kv)
+        if static is not None and static[1] > best:
+            decision = self.static_decisions[static[0]]
+            return {r.request_id: decision for r in running}
+        if not np.isfinite(best):
             return {}
-        cap, chosen = best_choice
+        cap, chosen = cap_index + 1, i[cap_index, :p]
         held = np.bincount(chosen, minlength=b)
         out = {}
         for k, r in enumerate(running):
@@ -261,6 +352,28 @@ class OracleDecider:
             if m:
                 out[r.request_id] = Decision(int(depth_all[k, cap - 1, m]), int(width_all[k, cap - 1, m]), m)
         return out
+
+    def _best_static(self, options: list[RequestOptions], ctx: np.ndarray, kv: float) -> tuple[int, float] | None:
+        """(index, expected goodput) of the best static decision given to every request
+        (``None`` without a static grid)."""
+        if not self.static_decisions:
+            return None
+        tokens, step_ms = self.static_prices(options, ctx, kv)
+        score = tokens / step_ms
+        s = int(np.argmax(score))
+        return s, float(score[s])
+
+    def static_prices(self, options: list[RequestOptions], ctx: np.ndarray, kv: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per static decision given to every request: the step's expected tokens and its
+        noise-free ms, as the simulator will charge the trees it builds."""
+        b = len(options)
+        st = np.stack([o.statics for o in options], axis=1)  # [S, B, 4]
+        value, nodes, depth, width = st[..., 0], st[..., 1], st[..., 2], st[..., 3]
+        verify = self.cost.verify_ms(b + nodes.sum(axis=1), kv, kv + (nodes * ctx).sum(axis=1), batch=b)
+        on = depth[..., None] >= np.arange(1, max(1, int(depth.max())) + 1)  # [S, B, level]
+        draft = self.cost.draft_levels_ms(on.sum(axis=1), (width[..., None] * on).sum(axis=1),
+                                          (ctx[None, :, None] * on).sum(axis=1))
+        return b + value.sum(axis=1), verify + draft
 
     @property
     def mean_true_alpha1(self) -> float:

@@ -65,6 +65,15 @@ regime the scenario is about. Closed loop, the same users send the same
 requests under every policy (each user has its own seed stream); a faster
 policy gets further down each user's list.
 
+Hardware truth. By default every worker is priced by the roofline of
+:mod:`worker.sim.hardware`. ``--hardware H200-measured`` puts every
+single-GPU H200 worker running llama-3-8b on the measured H200 table
+(:mod:`worker.sim.measured`) instead — the same policies, static grid and
+oracle, now against a real GPU's step costs — and runs only the scenarios
+that have such a worker (a scenario named explicitly without one is
+refused). ``policies.json`` records the truth in ``meta.hardware`` and per
+scenario which worker ran on what (``hardware``).
+
 ``--quick`` compresses every scenario's clock (durations, change times,
 burst dwell times) by :data:`QUICK_TIME_SCALE` at unchanged arrival rates,
 so the load regimes stay and only their length shrinks, keeps one replica
@@ -94,7 +103,8 @@ from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import plan_pb2, worker_pb2
 from worker.sdk.agent import AgentOptions, compile_plan, step_to_proto
 from worker.sim.hello import hello_proto
-from worker.sim.scenario import Scenario, load_scenario, scenario_from_dict, shipped_scenarios
+from worker.sim.measured import MEASURED_HARDWARE
+from worker.sim.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, shipped_scenarios
 from worker.sim.worker import SimWorker, StepResult
 
 DEFAULT_DELAY_STEPS = 2
@@ -171,6 +181,47 @@ def scenario_data(path: Path, quick: bool) -> dict:
     for worker in data["workers"]:
         worker["count"] = 1
     return compress_time(data, QUICK_TIME_SCALE)
+
+
+ROOFLINE = "roofline"
+
+
+def hardware_choices() -> list[str]:
+    """Values of ``--hardware``: the roofline (default) or a measured table's name."""
+    return [ROOFLINE, *sorted(MEASURED_HARDWARE)]
+
+
+def with_hardware(data: dict, hardware: str) -> tuple[dict, list[str]]:
+    """The scenario with every worker a measured table can price moved onto it, and
+    the ids of those workers.
+
+    A worker moves when it runs on the table's GPU (the registry name, not an
+    inline profile) on one GPU with the table's model; the others keep the
+    roofline.
+    """
+    entry = MEASURED_HARDWARE[hardware]
+    data = json.loads(json.dumps(data))
+    moved = []
+    for worker in data["workers"]:
+        if (worker.get("hardware", "H100-SXM") == entry.profile and worker.get("gpus") in (None, 1)
+                and worker.get("model", "llama-3-8b") == entry.model):
+            worker["hardware"] = entry.name
+            moved.append(worker["id"])
+    return data, moved
+
+
+def hardware_truth(data: dict) -> dict[str, str]:
+    """Per worker replica: the cost truth it runs on (a registry name, ``name xN`` for
+    tensor-parallel GPUs, ``name (inline)`` for an inline profile)."""
+    out = {}
+    for w in data["workers"]:
+        hw = w.get("hardware", "H100-SXM")
+        name = hw if isinstance(hw, str) else f"{hw['name']} (inline)"
+        if (w.get("gpus") or 1) > 1:
+            name += f" x{w['gpus']}"
+        for wid in [w["id"]] if w.get("count", 1) == 1 else [f"{w['id']}-{i}" for i in range(w["count"])]:
+            out[wid] = name
+    return out
 
 
 # -------------------------------------------------------------- the fleet loop
@@ -390,7 +441,8 @@ class ControlledFleet:
 class Job:
     """One run of one scenario.
 
-    ``kind``: ``preset`` (arg: preset name), ``oracle``, ``static`` (arg:
+    ``kind``: ``preset`` (arg: preset name), ``oracle`` (arg: the static grid
+    it weighs too, or ``None`` for its default), ``static`` (arg:
     (depth, width), full length) or ``scout`` (arg: (depth, width), on the
     scenario at :data:`SCOUT_TIME_SCALE` — the first phase of the grid).
     """
@@ -437,7 +489,7 @@ def run_job(job: Job) -> dict[str, Any]:
     elif job.kind == "oracle":
         from bench.oracle import OracleDecider
 
-        oracles = [OracleDecider(w) for w in workers]
+        oracles = [OracleDecider(w, job.arg) for w in workers]
         alpha = np.zeros((2, series.bins))
 
         def before(i: int, now: float) -> None:
@@ -498,7 +550,10 @@ class ScenarioPlan:
 
     def first_jobs(self) -> list[Job]:
         jobs = [Job(self.name, "preset", p, self.data, self.delay_steps, self.config) for p in self.presets]
-        jobs.append(Job(self.name, "oracle", None, self.data, self.delay_steps))
+        # The oracle weighs this scenario's static grid and the full one too, so it stays the
+        # ceiling over best_static and over the static preset.
+        statics = tuple(dict.fromkeys([*self.grid, *grid_points(self.data, None, GRID_WIDTHS)]))
+        jobs.append(Job(self.name, "oracle", statics, self.data, self.delay_steps))
         if self.scout:
             scout_data = compress_time(self.data, SCOUT_TIME_SCALE)
             jobs += [Job(self.name, "scout", dw, scout_data) for dw in self.grid]
@@ -587,6 +642,7 @@ def summarise(plan: ScenarioPlan, results: dict[Job, dict]) -> tuple[dict, dict]
         "workers": [wid for w in plan.data["workers"] for wid in
                     ([w["id"]] if w.get("count", 1) == 1 else [f"{w['id']}-{i}" for i in range(w["count"])])],
         "has_changes": bool(plan.data.get("changes")),
+        "hardware": hardware_truth(plan.data),
         "preset_config": plan.data.get("preset_config") or {},
         "policies": ordered,
         "grid": sorted(grid, key=lambda g: (g["phase"] != "full", g["depth"], g["width"])),
@@ -699,12 +755,15 @@ def run_policy_bench(
     plots: bool = True,
     console=None,
     scenario_data_override: dict[str, dict] | None = None,
+    hardware: str | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark, write ``policies.json`` (+ ``policies-series.json`` and PNGs), return the report.
 
     ``scenario_data_override``: {name: scenario dict} to run instead of files
     (tests); ``scout``: two-phase grid (default: on for the full suite, off
-    for ``--quick``, which runs its coarse grid at full length).
+    for ``--quick``, which runs its coarse grid at full length);
+    ``hardware``: the cost truth, ``"roofline"`` (default) or a measured
+    table's name (see the module docstring).
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -723,11 +782,29 @@ def run_policy_bench(
         grid_widths = QUICK_GRID_WIDTHS if quick else GRID_WIDTHS
     if scout is None:
         scout = not quick
+    hardware = hardware or ROOFLINE
+    if hardware not in hardware_choices():
+        raise ValueError(f"hardware {hardware!r}: choose one of {', '.join(hardware_choices())}")
     datas: dict[str, dict] = dict(scenario_data_override or {})
+    explicit = bool(datas) or bool(scenarios)
     if not datas:
         for path in suite_paths(scenarios):
             data = scenario_data(path, quick)
             datas[data["name"]] = data
+    skipped: dict[str, str] = {}
+    if hardware != ROOFLINE:
+        for name in list(datas):
+            data, moved = with_hardware(datas[name], hardware)
+            if not moved:
+                entry = MEASURED_HARDWARE[hardware]
+                reason = f"no single-GPU {entry.profile} worker running {entry.model} to put on {hardware}"
+                if explicit:
+                    raise ScenarioError(name, [f"workers: {reason}"])
+                skipped[name] = reason
+                del datas[name]
+                continue
+            scenario_from_dict(data, name)  # refuse a bad combination before any run
+            datas[name] = data
     plans = [ScenarioPlan(name, data, presets, grid_points(data, grid_depths, grid_widths), delay_steps, config, scout)
              for name, data in datas.items()]
     n_runs = sum(p.expected_runs() for p in plans)
@@ -742,6 +819,13 @@ def run_policy_bench(
             "benchmark": "specctl bench policies",
             "quick": quick,
             "time_scale": QUICK_TIME_SCALE if quick else 1.0,
+            "hardware": hardware,
+            "hardware_truth": (
+                "the roofline (worker.sim.hardware) for every worker" if hardware == ROOFLINE else
+                f"{MEASURED_HARDWARE[hardware].profile} single-GPU {MEASURED_HARDWARE[hardware].model} workers "
+                f"priced from worker/sim/hardware_tables/{MEASURED_HARDWARE[hardware].table}; the others by "
+                "the roofline (per scenario: hardware)"),
+            "skipped_scenarios": skipped,
             "delay_steps": delay_steps,
             "fallback": "speculation off until a worker's first plan arrives",
             "presets": presets,

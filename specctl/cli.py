@@ -92,7 +92,7 @@ def _bench(args: argparse.Namespace) -> int:
         try:
             run_policy_bench(args.scenario, args.out, quick=args.quick, jobs=args.jobs,
                              delay_steps=args.delay_steps, presets=args.policies, config_path=args.config,
-                             plots=not args.no_plots)
+                             plots=not args.no_plots, hardware=args.hardware)
         except (PresetError, ScenarioError) as err:
             print(f"specctl bench policies: {err}", file=sys.stderr)
             return 2
@@ -125,6 +125,12 @@ def _bench(args: argparse.Namespace) -> int:
                                   depths=tuple(int(d) for d in args.lookup_depths.split(",")),
                                   threads=args.threads,
                                   policy_file=str(preset if preset.is_file() else args.engine_policy))
+    if args.what == "costfit":
+        from bench.costfit import QUICK_TIME_SCALE, run_costfit_bench
+
+        run_costfit_bench(out_dir=args.out, time_scale=QUICK_TIME_SCALE if args.quick else 1.0, seed=args.seed,
+                          plots=not args.no_plots)
+        return 0
     print(f"specctl bench: unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 
@@ -185,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=["controller", "policies", "drift", "engine", "faults", "soak", "llamacpp"])
+    bench.add_argument("what", choices=["controller", "policies", "drift", "engine", "faults", "soak", "llamacpp",
+                                        "costfit"])
     bench.add_argument("--out", default="bench/results", help="output directory for JSON + PNG")
     bench.add_argument("--workers", type=int, default=256)
     bench.add_argument("--duration", type=float, default=10.0, help="seconds of measured load")
@@ -199,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--delay-steps", type=int, default=2, help="plan delivery delay in worker steps (default 2)")
     pol.add_argument("--config", help="controller YAML config for the controller-driven runs")
     pol.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    pol.add_argument("--hardware", default="roofline", choices=["roofline", "H200-measured"],
+                     help="cost truth: the roofline (default), or H200-measured: single-GPU H200 workers on the "
+                          "measured H200 table (only the scenarios that have one)")
     faults = bench.add_argument_group("faults, soak", "options of `bench faults` and `bench soak`")
     faults.add_argument("--healthy-workers", type=int, default=32, help="faults: healthy workers beside the stuck one")
     faults.add_argument("--phase-s", type=float, default=8.0, help="faults: seconds of each phase")
@@ -215,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="static prompt-lookup lengths to compare (0: the adapter never drafting)")
     lc.add_argument("--lookup-max-new-tokens", type=int, default=96)
     lc.add_argument("--lookup-warmup", type=int, default=4, help="warm-up prompts per set, through every configuration")
+    cf = bench.add_argument_group("costfit", "options of `bench costfit` (also --quick: clocks x0.1, --no-plots)")
+    cf.add_argument("--seed", type=int, default=None, help="costfit: seed of the scenarios (default: their own)")
     bench.set_defaults(func=_bench)
 
     from specctl.worker_cli import add_worker_commands  # train-heads, worker, load (the reference worker)

@@ -11,11 +11,42 @@ import sys
 
 from worker.reference.threads import set_threads
 
+# Drafters whose heads (and the head training) run on the CPU only: their
+# tensors are made there and they read the target's hidden states and
+# embeddings, so a target elsewhere would meet them on two devices.
+CPU_ONLY_DRAFTERS = ("medusa", "eagle")
+
+
+def _use_device(command: str, device: str, cpu_only: list[str]) -> bool:
+    """Make ``device`` the default of ``load_model`` for this process; False
+    (after saying why) when torch cannot use it or ``cpu_only`` (what the
+    command would run that stays on the CPU) is not empty off the CPU."""
+    import torch
+
+    from worker.reference.models import set_default_device
+
+    try:
+        off_cpu = torch.device(device).type != "cpu"
+    except (RuntimeError, ValueError, TypeError):
+        off_cpu = True  # set_default_device says what is wrong with it
+    if off_cpu and cpu_only:
+        print(f"specctl {command}: --device {device}: {', '.join(cpu_only)} run on the CPU only "
+              "(their heads and training are not device-aware yet); use --device cpu", file=sys.stderr)
+        return False
+    try:
+        set_default_device(device)
+    except ValueError as err:
+        print(f"specctl {command}: --device: {err}", file=sys.stderr)
+        return False
+    return True
+
 
 def _train_heads(args: argparse.Namespace) -> int:
     from worker.reference.heads import TrainConfig, train_heads
     from worker.reference.models import ModelUnavailableError
 
+    if not _use_device("train-heads", args.device, [f"{args.drafter} heads"]):
+        return 2
     set_threads(args.threads)
     cfg = TrainConfig(kind=args.drafter, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
                       draft_vocab=args.draft_vocab, num_heads=args.num_heads, held_out=args.held_out,
@@ -46,16 +77,84 @@ def _worker(args: argparse.Namespace) -> int:
     except ClientSecurityError as err:
         print(f"specctl worker: {err}", file=sys.stderr)
         return 2
+    if not _use_device("worker", args.device, [d for d in [args.drafter] if d in CPU_ONLY_DRAFTERS]):
+        return 2
     set_threads(args.threads)
     opts = WorkerOptions(model=args.model, drafter=args.drafter, heads=args.heads, controller=args.controller,
                          listen=args.listen, worker_id=args.worker_id, max_batch=args.max_batch,
                          fallback_depth=args.fallback_depth, static=args.static, heads_poll_s=args.heads_poll,
-                         security=security, kernels=args.kernels, calibrate=not args.no_calibrate)
+                         security=security, kernels=args.kernels, calibrate=not args.no_calibrate,
+                         calibration=args.calibration or "")
     try:
         return run_worker(opts)
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
         print(f"specctl worker: {err}", file=sys.stderr)
         return 2
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """``specctl calibrate``: measure the step-cost table (worker.reference.engine.step_costs) and write it."""
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from worker.reference.engine.step_costs import (DEFAULT_GRIDS, SHAPE_DRAFT_VOCAB, StepGrid, build_shape_model,
+                                                     dump_step_table, measure_step_table)
+    from worker.reference.models import ModelUnavailableError, default_device, load_model
+
+    def fail(message: str) -> int:
+        print(f"specctl calibrate: {message}", file=sys.stderr)
+        return 2
+
+    if not _use_device("calibrate", args.device, []):
+        return 2
+    device = default_device()
+    defaults = DEFAULT_GRIDS["cpu" if device.type == "cpu" else "cuda"]
+    try:
+        grid = StepGrid.parse(args.batches or defaults["batches"], args.tokens or defaults["tokens"],
+                              args.contexts or defaults["contexts"], args.widths or defaults["widths"],
+                              args.repeats or defaults["repeats"], args.max_kv_tokens or defaults["max_kv_tokens"])
+    except ValueError as err:
+        return fail(str(err))
+    set_threads(args.threads)
+    tuned = args.kernels == "tuned" and device.type == "cpu"
+    log = lambda message: print(message, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    try:
+        if args.shape:
+            model = build_shape_model(args.shape, device, seed=args.seed)  # refuses a GPU shape on the CPU
+            name, note = args.shape, f"--shape {args.shape}: random weights ({model.dtype})"
+            if tuned:
+                from worker.reference.engine.kernels import tune_model
+
+                tune_model(model, log=log)
+        else:
+            name = args.model or "smollm2-135m"
+            lm = load_model(name, tune_kernels=tuned, log=log)
+            model, note = lm.model, f"--model {name} ({lm.source}, {lm.model.dtype})"
+            for p in model.parameters():
+                p.requires_grad_(False)
+        table = measure_step_table(model, grid, name, heads_dir=args.heads, seed=args.seed, note=note, log=log,
+                                   draft_vocab=args.draft_vocab or SHAPE_DRAFT_VOCAB.get(args.shape))
+    except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
+        return fail(str(err))
+    except torch.OutOfMemoryError as err:
+        return fail(f"{device} ran out of memory ({str(err).splitlines()[0]}); lower --max-kv-tokens, --batches, "
+                    "--tokens or --contexts")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dump_step_table(table))
+    from worker.sim.measured import load_table  # the simulator's own reader: the table must load there
+
+    try:
+        load_table(out)
+    except ValueError as err:
+        return fail(f"wrote {out}, but the simulator cannot read it: {err}")
+    log(f"wrote {out}: {len(table['verify'])} verify and {len(table['draft'])} draft shapes in "
+        f"{time.perf_counter() - started:.0f} s. Use it as `specctl worker --calibration {out}` (the Hello's "
+        f"calibration) or as `cost_table: {out}` of a scenario worker (the simulator's step costs)")
+    return 0
 
 
 def _load(args: argparse.Namespace) -> int:
@@ -68,10 +167,13 @@ def _load(args: argparse.Namespace) -> int:
 
 KERNELS_HELP = ("linear-layer kernels on the CPU: 'tuned' (row-count-aware, timed on first use and cached; "
                 "worker.reference.engine.kernels) or 'default' (torch's F.linear)")
+DEVICE_HELP = ("torch device of the target model and its KV cache (default cpu; e.g. cuda, cuda:1). Off the CPU "
+               "tree verification runs through cascade attention (worker.reference.engine.cascade) and the tuned "
+               "CPU kernels are not used; medusa and eagle heads run on the CPU only")
 
 
 def add_worker_commands(sub) -> None:
-    """Add ``train-heads``, ``worker`` and ``load`` to a subparsers object."""
+    """Add ``train-heads``, ``worker``, ``load`` and ``calibrate`` to a subparsers object."""
     from worker.reference.heads.config import DEFAULT_DATA, GEN_BATCH, DistillData, TrainConfig
 
     train_defaults = TrainConfig()
@@ -110,6 +212,7 @@ def add_worker_commands(sub) -> None:
                     help="torch threads while the heads train (default 0: --threads); alone on the machine, "
                          "its core count")
     th.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
+    th.add_argument("--device", default="cpu", help=DEVICE_HELP + " (so train-heads takes cpu only for now)")
     th.set_defaults(func=_train_heads)
 
     wk = sub.add_parser("worker", help="reference worker: real model + drafter, HTTP generate endpoint, agent")
@@ -126,8 +229,12 @@ def add_worker_commands(sub) -> None:
     wk.add_argument("--static", default="", help="without a controller: DEPTH[xWIDTH[:NODES]] (default: fallback)")
     wk.add_argument("--threads", type=int, default=1)
     wk.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
+    wk.add_argument("--device", default="cpu", help=DEVICE_HELP)
     wk.add_argument("--no-calibrate", action="store_true",
                     help="skip timing the verify step at start-up (the controller then learns costs from traffic only)")
+    wk.add_argument("--calibration", metavar="FILE",
+                    help="send this step-cost table (written by `specctl calibrate` for the same model and device) "
+                         "as the Hello's calibration instead of timing at start-up")
     from worker.sdk.security import add_client_security_args
 
     add_client_security_args(wk)  # --tls, --tls-ca, --tls-cert/--tls-key, --token/--token-file
@@ -145,6 +252,34 @@ def add_worker_commands(sub) -> None:
     ld.add_argument("--out", default="", help="write per-request results to this JSON file")
     ld.set_defaults(func=_load)
 
+    cal = sub.add_parser("calibrate", help="measure the served model's verify and draft costs on this device into "
+                                           "one table (Hello calibration and simulator step costs)")
+    what = cal.add_mutually_exclusive_group()
+    what.add_argument("--model", help="model the worker serves: name, .gguf file or checkpoint dir "
+                                      "(default smollm2-135m)")
+    what.add_argument("--shape", help="random weights of a shape instead: llama-3-8b (a GPU's; refused on the "
+                                      "CPU) or tiny")
+    cal.add_argument("--device", default="cpu", help="torch device to measure on: cpu (default), cuda, cuda:N")
+    cal.add_argument("--out", required=True, metavar="FILE.json", help="where to write the table")
+    cal.add_argument("--batches", help="requests per forward, comma-separated (default cpu 1,2,4,8; "
+                                       "cuda 1,2,...,256)")
+    cal.add_argument("--tokens", help="tokens per request in a verify, 1 = plain decode (default 1,2,4,8,16)")
+    cal.add_argument("--contexts", help="cached tokens per request (default cpu 128,512,2048; "
+                                        "cuda 1024,8192,32768)")
+    cal.add_argument("--widths", help="tokens per request in one draft level (default cpu 1,2,4; cuda 1,4,8)")
+    cal.add_argument("--repeats", type=int, default=0, help="timed calls per shape, median kept (default cpu 5, "
+                                                          "cuda 15)")
+    cal.add_argument("--max-kv-tokens", type=int, default=0,
+                     help="leave out shapes whose batch x context passes this (default 524288)")
+    cal.add_argument("--heads", help="EAGLE heads directory for the draft level (default: the cached ones of "
+                                     "--model, else a head of its shape on random weights)")
+    cal.add_argument("--draft-vocab", type=int, default=0,
+                     help="draft vocabulary of a random head (default min(8192, vocab); 32000 for llama-3-8b)")
+    cal.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as `specctl worker`)")
+    cal.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
+    cal.add_argument("--seed", type=int, default=0)
+    cal.set_defaults(func=_calibrate)
+
 
 def add_bench_engine_options(bench) -> None:
     """Options of ``specctl bench engine`` (added to the shared ``bench`` parser)."""
@@ -153,22 +288,38 @@ def add_bench_engine_options(bench) -> None:
     g.add_argument("--batches", default="1,4,8", help="comma-separated batch sizes (default 1,4,8)")
     g.add_argument("--prompts", type=int, default=8, help="held-out prompts per run (default 8)")
     g.add_argument("--max-new-tokens", type=int, default=48)
-    g.add_argument("--depths", default="2,4", help="static chain depths (default 2,4)")
+    g.add_argument("--depths", default="1,2,4", help="static chain depths (default 1,2,4)")
+    g.add_argument("--trees", default="2x4:5,3x2:5,4x2:6,4x4:12",
+                   help="static trees DEPTHxWIDTH:NODES, comma-separated, clamped to each drafter's limits "
+                        "(default 2x4:5,3x2:5,4x2:6,4x4:12; '' = chains only)")
     g.add_argument("--drafters", default="ngram,medusa,eagle,oracle")
     g.add_argument("--engine-policy", default="goodput", help="controller preset for the controlled runs ('' = none)")
     g.add_argument("--heads", help="heads directory (default: cached, trained on first use)")
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
-    g.add_argument("--warmup-prompts", type=int, default=0,
-                   help="other held-out prompts run untimed under the controller before each batch size (0 = cold)")
+    g.add_argument("--device", default="cpu", help=DEVICE_HELP + " (off the CPU: --drafters without them)")
+    g.add_argument("--warmup-prompts", type=int, default=8,
+                   help="held-out prompts outside the evaluation set that the warm controller decodes untimed "
+                        "before each batch size (default 8; 0 = the cold controller only)")
 
 
 def bench_engine(args: argparse.Namespace) -> int:
     from bench.engine import run_engine_bench
 
+    if not _use_device("bench engine", args.device, [d for d in args.drafters.split(",") if d in CPU_ONLY_DRAFTERS]):
+        return 2
     return run_engine_bench(
         out_dir=args.out, model_name=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
         prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         depths=tuple(int(d) for d in args.depths.split(",")), drafters=tuple(args.drafters.split(",")),
         policy=args.engine_policy, threads=args.threads, heads_dir=args.heads, warmup_prompts=args.warmup_prompts,
-        kernels=args.kernels)
+        kernels=args.kernels, trees=_tree_shapes(args.trees))
+
+
+def _tree_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``"2x4:5,4x2"`` -> ``((2, 4, 5), (4, 2, 8))`` (the ``--static`` syntax of ``specctl worker``)."""
+    from policies.table import Decision
+    from worker.reference.server import parse_static
+
+    decs = [parse_static(t.strip(), Decision.off()) for t in text.split(",") if t.strip()]
+    return tuple((d.depth, d.width, d.max_nodes) for d in decs if d.speculate)

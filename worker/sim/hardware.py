@@ -44,7 +44,7 @@ True
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from typing import ClassVar, Literal, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -165,6 +165,11 @@ class CostModel:
         Log-normal sigma applied by :meth:`noisy` (default 3%).
     """
 
+    # The price is max(memory plane, compute plane): callers may use that
+    # structure (the benchmark oracle's exact pruning). A truth that is not a
+    # roofline (worker.sim.measured) says False.
+    roofline: ClassVar[bool] = True
+
     def __init__(
         self,
         hardware: HardwareProfile | str = "H100-SXM",
@@ -192,7 +197,7 @@ class CostModel:
         """Verify compute per batch token, attention excluded: the slope past the roofline's kink."""
         return 2.0 * self.model.params / self.hardware.flops_per_ms
 
-    def verify_ms(self, batch_tokens, kv_tokens, attn_pairs=0.0):
+    def verify_ms(self, batch_tokens, kv_tokens, attn_pairs=0.0, batch=None):
         """One target forward over ``batch_tokens`` tokens reading ``kv_tokens`` KV entries.
 
         Scalars give a float; arrays (broadcast together) give an array, so
@@ -206,6 +211,11 @@ class CostModel:
             ``Σ_i context_len_i`` over the batch.
         attn_pairs
             ``Σ_i (1 + nodes_i) * context_len_i``; 0 leaves the attention flops out.
+        batch
+            Requests in the forward. The roofline does not need it (its
+            price depends on the sums only); a measured truth
+            (:class:`worker.sim.measured.MeasuredCostModel`) does, so callers
+            that may hold either pass it.
         """
         fixed = self.hardware.fixed_ms
         if np.ndim(batch_tokens) or np.ndim(kv_tokens) or np.ndim(attn_pairs):

@@ -21,12 +21,21 @@ Schema (see ``worker/sim/scenarios/*.yaml`` for complete files)::
       output_len: {kind: lognormal, median: 256, sigma: 0.6, max: 2048}
       domain_mix: {chat: 0.7, code: 0.3}
       predictability: {a: 8, b: 8, low: 0.7, high: 1.3}   # per-request acceptance multiplier
+      correlated_acceptance:    # optional (default off): acceptance in spans, a hidden state per request
+        states:                 # 2-8 states; each: acceptance (rank-1, absolute) or scale (x the request's own)
+          - {name: copy, acceptance: 0.97, mean_span: 120}   # mean span in output tokens (geometric)
+          - {name: prose, scale: 1.0, mean_span: 200, next: {copy: 1, novel: 2}}  # next: weights (default: alike)
+          - {name: novel, acceptance: 0.05, mean_span: 60}
+        domains: [code]         # optional: only these domains' requests (default: all)
     workers:
       - id: h100-eagle
         count: 2                        # replicas h100-eagle-0, h100-eagle-1
-        hardware: H100-SXM              # registry name or an inline HardwareProfile
+        hardware: H100-SXM              # registry name or an inline HardwareProfile;
+                                        # H200-measured: a measured H200 table (llama-3-8b, one GPU)
         gpus: 1                         # tensor-parallel GPUs per replica
         model: llama-3-8b
+        # cost_table: FILE              # optional: a step-cost table (specctl calibrate) prices the steps;
+                                        # model then defaults to the table's, hardware gives HBM and hints
         drafter: {kind: eagle, version: v1, max_depth: 8, max_width: 8,
                   max_nodes: 64, trained_context_len: 8192}
         max_batch_size: 256
@@ -39,6 +48,13 @@ Schema (see ``worker/sim/scenarios/*.yaml`` for complete files)::
     preset_config:                      # optional, for ``specctl bench policies`` only
       vllm-batch-table: {num_speculative_tokens: 2,
                          num_speculative_tokens_per_batch_size: [[1, 4, 2], [5, 512, 0]]}
+
+``correlated_acceptance`` (:class:`worker.sim.acceptance.CorrelatedAcceptance`)
+makes acceptance within a request correlated: spans of output tokens where
+(nearly) every draft position is accepted alternate with spans where (nearly)
+none is, so a whole chain is accepted or rejected at once far more often than
+independent positions with the same mean would give. A worker's ``traffic``
+may give its own (it cannot switch a scenario-wide one off).
 
 A ``rate`` change sets the mean arrival rate (``rate``), the number of
 closed-loop users (``users``) or scales the base process (``scale``),
@@ -68,17 +84,34 @@ from typing import Annotated, Any, Literal, Union
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from worker.sim.acceptance import PROFILES as ACCEPTANCE_PROFILES
-from worker.sim.acceptance import AcceptanceProfile
+from worker.sim.acceptance import AcceptanceProfile, CorrelatedAcceptance
 from worker.sim.hardware import (
     DRAFT_COST_PROFILES,
     HARDWARE_PROFILES,
     MODEL_PROFILES,
+    CostModel,
     DraftCostProfile,
     HardwareProfile,
     ModelProfile,
+)
+from worker.sim.measured import (
+    MEASURED_HARDWARE,
+    build_cost_model,
+    check_model,
+    hardware_names,
+    load_table,
+    table_hardware,
 )
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
@@ -275,6 +308,9 @@ class Traffic(Strict):
     output_len: LengthDist
     domain_mix: dict[str, float] = Field(default_factory=lambda: {"chat": 1.0}, min_length=1)
     predictability: Predictability = Field(default_factory=Predictability)
+    correlated_acceptance: CorrelatedAcceptance | None = Field(
+        None, description="acceptance in spans, a hidden Markov state per request (default: off)"
+    )
 
     @field_validator("domain_mix")
     @classmethod
@@ -288,6 +324,7 @@ class TrafficOverride(Strict):
     output_len: LengthDist | None = None
     domain_mix: dict[str, float] | None = None
     predictability: Predictability | None = None
+    correlated_acceptance: CorrelatedAcceptance | None = None
 
     @field_validator("domain_mix")
     @classmethod
@@ -349,24 +386,70 @@ class WorkerSpec(Strict):
     noise_sigma: float = Field(0.03, ge=0, le=1)
     report_confidence: bool = False
     traffic: TrafficOverride | None = None
+    cost_table: str | None = Field(None, description="step-cost table file (specctl calibrate) pricing the steps")
 
     @field_validator("hardware")
     @classmethod
     def _hardware(cls, v):
-        if isinstance(v, str) and v not in HARDWARE_PROFILES:
-            raise ValueError(f"unknown hardware profile {v!r} (known: {', '.join(sorted(HARDWARE_PROFILES))})")
+        if isinstance(v, str) and v not in HARDWARE_PROFILES and v not in MEASURED_HARDWARE:
+            raise ValueError(f"unknown hardware profile {v!r} (known: {', '.join(hardware_names())})")
+        return v
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v, info: ValidationInfo):
+        hw = info.data.get("hardware")
+        if v not in (None, 1) and isinstance(hw, str) and hw in MEASURED_HARDWARE:
+            raise ValueError(f"{v} GPUs: hardware {hw!r} is a table measured on one GPU (gpus: 1)")
         return v
 
     @field_validator("model")
     @classmethod
-    def _model(cls, v):
+    def _model(cls, v, info: ValidationInfo):
         if isinstance(v, str) and v not in MODEL_PROFILES:
             raise ValueError(f"unknown model profile {v!r} (known: {', '.join(sorted(MODEL_PROFILES))})")
+        hw = info.data.get("hardware")
+        if isinstance(hw, str) and hw in MEASURED_HARDWARE:
+            check_model(hw, v)
         return v
 
+    @field_validator("cost_table")
+    @classmethod
+    def _cost_table_file(cls, v):
+        # A path (from the working directory) or a file name in worker/sim/hardware_tables/; kept resolved.
+        return None if v is None else table_hardware(v).table
+
+    @model_validator(mode="after")
+    def _cost_table(self):
+        if self.cost_table is None:
+            return self
+        if isinstance(self.hardware, str) and self.hardware in MEASURED_HARDWARE:
+            raise ValueError(f"cost_table: hardware {self.hardware!r} has a table of its own; name a roofline "
+                             "profile (its HBM and hints) beside a cost_table")
+        if self.gpus not in (None, 1):
+            raise ValueError(f"cost_table: {self.gpus} GPUs, but the table prices one device (gpus: 1)")
+        try:
+            if "model" in self.model_fields_set:
+                check_model(table_hardware(self.cost_table), self.model)
+            else:  # the model the table was measured on
+                self.model = load_table(self.cost_table).model_profile()
+        except ValueError as exc:
+            raise ValueError(f"cost_table: {exc}") from None
+        return self
+
     def hardware_profile(self) -> HardwareProfile:
-        hw = HARDWARE_PROFILES[self.hardware] if isinstance(self.hardware, str) else self.hardware
+        """The GPU's roofline profile (for a measured name: the same GPU's, whose HBM and hints it keeps)."""
+        measured = isinstance(self.hardware, str) and self.hardware in MEASURED_HARDWARE
+        name = MEASURED_HARDWARE[self.hardware].profile if measured else self.hardware
+        hw = HARDWARE_PROFILES[name] if isinstance(name, str) else name
         return hw.model_copy(update={"count": self.gpus}) if self.gpus else hw
+
+    def cost_model(self) -> CostModel:
+        """The worker's cost truth: its cost_table or the measured table of a measured hardware name, else the
+        roofline."""
+        hardware = self.hardware if isinstance(self.hardware, str) else self.hardware_profile()
+        return build_cost_model(hardware, self.model_profile(), self.drafter.cost_profile(), self.noise_sigma,
+                                self.gpus, table=self.cost_table)
 
     def model_profile(self) -> ModelProfile:
         return MODEL_PROFILES[self.model] if isinstance(self.model, str) else self.model
@@ -465,6 +548,14 @@ class Scenario(Strict):
             problems.append(f"workers: duplicate worker ids {dup}")
         known_ids = set(ids) | {s.id for s in self.workers}
         domains = self.domains()
+        corr = [("traffic", self.traffic.correlated_acceptance)]
+        corr += [(f"workers.{i}.traffic", s.traffic.correlated_acceptance) for i, s in enumerate(self.workers)
+                 if s.traffic is not None]
+        for where, c in corr:
+            unknown = [d for d in (c.domains or ()) if d not in domains] if c is not None else []
+            if unknown:
+                problems.append(f"{where}.correlated_acceptance.domains: unknown domains {unknown} "
+                                f"(known: {sorted(domains)})")
         for i, ch in enumerate(self.changes):
             where = f"changes.{i}"
             if ch.at_s > self.duration_s:

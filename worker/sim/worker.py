@@ -1,4 +1,4 @@
-"""A simulated GPU worker: continuous batching over the roofline and acceptance models.
+"""A simulated GPU worker: continuous batching over the step-cost (roofline or measured) and acceptance models.
 
 Each :meth:`SimWorker.step` is one engine iteration:
 
@@ -10,7 +10,11 @@ Each :meth:`SimWorker.step` is one engine iteration:
    request (exactly ``SpeculationAgent.decide``) and clamped to the drafter's
    limits;
 3. each request's tree is built from its ground-truth ``q`` and its outcome
-   sampled; it advances by ``τ + 1`` tokens (fewer if its output ends);
+   sampled; it advances by ``τ + 1`` tokens (fewer if its output ends).
+   With the traffic's ``correlated_acceptance`` each request carries a
+   hidden state path over its output tokens and draft level ``k`` reads
+   the state of token ``generated + k - 1``
+   (:class:`worker.sim.acceptance.SpanPath`, seeded by the request id);
 4. ``draft_ms`` and ``verify_ms`` come from the cost model with
    ``batch_tokens = Σ (1 + nodes)`` and ``kv_tokens = Σ context_len``, each
    with ~3% log-normal noise;
@@ -21,7 +25,8 @@ The worker never reads a clock: the caller passes ``now`` and advances it by
 ``StepResult.duration_s`` (see :mod:`worker.sim.runner`). Random streams per
 worker: arrivals and lengths (:mod:`worker.sim.traffic`, untouched by
 decisions, so every policy sees the same requests), acceptance outcomes, and
-timing noise.
+timing noise; with correlated acceptance, one more per request for its state
+path, keyed by the request id (so also the same under every policy).
 
 A step reports the tree actually built: ``depth`` = its deepest level,
 ``width`` = most children of any node, ``nodes`` = draft tokens verified.
@@ -33,13 +38,14 @@ statistics stay unbiased; ``generated_tokens`` counts kept tokens only.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from policies.table import Decision
-from worker.sim.acceptance import AcceptanceTruth, Ramp, Setpoint
+from worker.sim.acceptance import AcceptanceTruth, Ramp, Setpoint, SpanModel, SpanPath
 from worker.sim.hardware import CostModel
 from worker.sim.scenario import DriftChange, Scenario, Traffic, WorkerSpec
 from worker.sim.traffic import TrafficGenerator
@@ -108,6 +114,7 @@ class SimRequest:
     generated: int = 0
     steps: int = 0
     accepted: int = 0
+    spans: SpanPath | None = None  # hidden acceptance states of its output tokens (correlated acceptance)
 
     @property
     def context_len(self) -> int:
@@ -273,7 +280,7 @@ class SimWorker:
 
         d = spec.drafter
         self.max_depth, self.max_width, self.max_nodes = d.max_depth, d.max_width, d.max_nodes
-        self.cost = CostModel(spec.hardware_profile(), spec.model_profile(), d.cost_profile(), spec.noise_sigma)
+        self.cost: CostModel = spec.cost_model()  # the roofline, or a measured table (worker.sim.measured)
         domains = set(traffic.domain_mix) | set(domain_acceptance or {})
         for c in changes:
             domains |= set(getattr(c, "domain_mix", None) or {})
@@ -291,6 +298,10 @@ class SimWorker:
             max_depth=self.max_depth,
             max_width=self.max_width,
         )
+        corr = traffic.correlated_acceptance
+        self.spans = SpanModel(corr, self.acceptance.profile.row_cap) if corr is not None else None
+        # The state paths' root: a fourth child of the worker's seed, never drawn from unless the option is on.
+        self._span_ss = np.random.SeedSequence(ss.entropy, spawn_key=tuple(ss.spawn_key) + (3,))
         cap = spec.kv_capacity_tokens
         self.kv_capacity = self.cost.kv_capacity_tokens() if cap is None else (cap or math.inf)
         self.kv_reserved = 0
@@ -351,10 +362,34 @@ class SimWorker:
         """Ground-truth ``q`` [max_depth, max_width] of a running request (for oracles)."""
         for r in self.running:
             if r.request_id == request_id:
-                return self.acceptance.true_rank_probs(
-                    r.context_len, r.domain, t, r.multiplier
-                )
+                return self.rank_probs([r], t)[0]
         raise KeyError(request_id)
+
+    def rank_probs(self, requests: Sequence[SimRequest], t: float) -> np.ndarray:
+        """Ground-truth ``q`` [len(requests), max_depth, max_width] of requests at time ``t``:
+        what :meth:`step` samples their outcomes from (and oracles read). With
+        correlated acceptance, row ``k`` of a request is in the hidden state of
+        its output token ``generated + k - 1``."""
+        factors: dict[str, float] = {}
+        dom = []
+        for r in requests:
+            f = factors.get(r.domain)
+            if f is None:
+                f = factors[r.domain] = self.acceptance.domain_factor(r.domain, t)
+            dom.append(f)
+        ctx = np.array([r.prompt_len + r.generated for r in requests], np.int64)
+        q = self.acceptance.rank_probs_batch(ctx, np.array(dom), np.array([r.multiplier for r in requests]))
+        if self.spans is not None:
+            q = self.spans.apply(q, self.span_states(requests))
+        return q
+
+    def span_states(self, requests: Sequence[SimRequest]) -> np.ndarray:
+        """[len(requests), max_depth]: the hidden state of each draft level (-1: none, or the option off)."""
+        out = np.full((len(requests), self.max_depth), -1, np.int64)
+        for i, r in enumerate(requests):
+            if r.spans is not None:
+                out[i] = r.spans.window(r.generated, self.max_depth)
+        return out
 
     # -- stepping ------------------------------------------------------------
     def _clamp(self, decision: Decision) -> Decision:
@@ -367,7 +402,10 @@ class SimWorker:
 
     def _admit(self, now: float) -> list[SimRequest]:
         for a in self.traffic.pop_until(now):
-            self.waiting.append(SimRequest(a.request_id, a.arrival_s, a.prompt_len, a.output_len, a.domain, a.multiplier))
+            r = SimRequest(a.request_id, a.arrival_s, a.prompt_len, a.output_len, a.domain, a.multiplier)
+            if self.spans is not None and self.spans.applies_to(a.domain):
+                r.spans = self.spans.path(self._span_seed(a.request_id))
+            self.waiting.append(r)
             self.stats.arrived += 1
         admitted = []
         while self._waiting_head < len(self.waiting) and len(self.running) < self.spec.max_batch_size:
@@ -390,12 +428,19 @@ class SimWorker:
         self.stats.admitted += len(admitted)
         return admitted
 
+    def _span_seed(self, request_id: str) -> np.random.SeedSequence:
+        """Seed of a request's state path: the worker's seed and the request id, nothing else."""
+        key = request_id.encode()
+        root = self._span_ss
+        return np.random.SeedSequence(root.entropy, spawn_key=tuple(root.spawn_key) + (zlib.crc32(key),
+                                                                                      zlib.adler32(key)))
+
     def _prefill_ms(self, admitted: list[SimRequest]) -> float:
         if not admitted or not self.spec.prefill:
             return 0.0
         tokens = sum(r.prompt_len for r in admitted)
         pairs = sum(r.prompt_len * (r.prompt_len + 1) / 2 for r in admitted)
-        return self.cost.noisy(self.cost.verify_ms(tokens, 0, pairs), self._noise_rng)
+        return self.cost.noisy(self.cost.verify_ms(tokens, 0, pairs, batch=len(admitted)), self._noise_rng)
 
     def step(self, now: float, decide: DecideFn | None = None) -> StepResult:
         """Run one engine iteration starting at scenario time ``now``.
@@ -423,14 +468,7 @@ class SimWorker:
         ctx = np.array(ctx_l, np.int64)
         clamp = self._clamp
         decisions = [clamp(decide(r.request_id, c, b)) for r, c in zip(running, ctx_l)]
-        dom_cache: dict[str, float] = {}
-        dom_l = []
-        for r in running:
-            f = dom_cache.get(r.domain)
-            if f is None:
-                f = dom_cache[r.domain] = self.acceptance.domain_factor(r.domain, now)
-            dom_l.append(f)
-        q = self.acceptance.rank_probs_batch(ctx, np.array(dom_l), np.array([r.multiplier for r in running]))
+        q = self.rank_probs(running, now)
         if any(d.width > 1 for d in decisions):
             qconf = quantize(q)
             keys = [row.tobytes() for row in qconf]
@@ -450,7 +488,8 @@ class SimWorker:
         widths = [t.width for t in trees]
         batch_tokens = int(b + nodes.sum())
         verify = self.cost.noisy(
-            self.cost.verify_ms(batch_tokens, float(ctx.sum()), float(((1 + nodes) * ctx).sum())), self._noise_rng
+            self.cost.verify_ms(batch_tokens, float(ctx.sum()), float(((1 + nodes) * ctx).sum()), batch=b),
+            self._noise_rng,
         )
         draft = self.cost.noisy(self.cost.draft_ms(depths, widths, ctx), self._noise_rng)
         duration_s = (prefill_ms + draft + verify) / 1e3

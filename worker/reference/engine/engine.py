@@ -17,9 +17,10 @@ One ``Engine.step()``:
    off (``CatchUp``; timed apart, not in the step's draft time);
 4. **verify** (timed): one forward of the target's decoder over every row's
    ``[root | draft nodes]`` block (own tree mask per row, padded to the
-   largest), LM head on the real entries only, acceptance per row (greedy,
-   or recursive rejection sampling when ``temperature > 0``), KV
-   compaction to the accepted paths;
+   largest; off the CPU its attention is cascaded, ``cascade.py``), LM head
+   on the real entries only, acceptance per row (greedy, or recursive
+   rejection sampling when ``temperature > 0``), KV compaction to the
+   accepted paths;
 5. **commit**: emitted tokens (accepted drafts + bonus, cut at EOS /
    ``max_new_tokens``), hidden states of the accepted entries queued for the
    drafter, telemetry to the observer (draft ms, verify ms, per-position
@@ -48,6 +49,7 @@ from policies.table import Decision
 from worker.reference.drafters.base import EMPTY_TREE, CatchUp, DraftContext, Drafter, DraftTree
 from worker.reference.engine.attention import use_grouped_attention
 from worker.reference.engine.batch import RowOutcome, build_block, greedy_path, row_outcome
+from worker.reference.engine.cascade import PREFIX_VALID_KWARG, use_cascade_attention
 from worker.reference.engine.kv import BatchKV, SlotCache
 from worker.reference.engine.sampling import sample_accept_tree
 from worker.reference.engine.verify import _cache_kwarg
@@ -150,6 +152,12 @@ class Engine:
         distribution).
     seed : int, optional
         Seed of the sampling generator (``temperature > 0``).
+    cascade : bool, optional
+        Verify through cascade attention (``cascade.py``: the cached prefix
+        without a mask, the block with its tree mask, merged by log-sum-exp)
+        instead of one masked attention over the whole context. ``None``
+        (default): on when the model is off the CPU; the CPU keeps its tuned
+        masked path. ``True`` raises on a model whose attention is not SDPA.
     """
 
     def __init__(
@@ -164,11 +172,17 @@ class Engine:
         repack_hole_fraction: float = 0.25,
         temperature: float = 0.0,
         seed: int | None = None,
+        cascade: bool | None = None,
     ) -> None:
         if not temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         self.model = model
         use_grouped_attention(model)  # verify blocks are masked multi-token queries: no KV-head copies
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.cascade = (not on_cpu if cascade is None else bool(cascade)) and use_cascade_attention(model)
+        if cascade and not self.cascade:
+            raise ValueError(f"cascade attention needs a model on SDPA, this one runs "
+                             f"{getattr(model.config, '_attn_implementation', None)!r}")
         self.base = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
         self._cache_kw = _cache_kwarg(type(self.base))
@@ -321,13 +335,29 @@ class Engine:
 
         t0 = time.perf_counter()
         trees = self._draft(decisions)
+        self._sync()
         t1 = time.perf_counter()
 
-        roots = [row.tokens[-1] for row in self.rows]
+        outcomes, hidden = self._verify([row.tokens[-1] for row in self.rows], trees)
+        t2 = time.perf_counter()
+
+        if self.kv.maybe_repack(self.repack_hole_fraction):
+            self.stats.repacks += 1
+        return admitted_done + self._commit(decisions, trees, outcomes, hidden, ctx, t1 - t0, t2 - t1, caught,
+                                            catch_up_s)
+
+    def _verify(self, roots: list[int], trees: list[DraftTree]) -> tuple[list[RowOutcome], torch.Tensor]:
+        """The timed verify of a step: one forward of the decoder over every row's ``[root | nodes]``
+        block, the LM head on the real entries, acceptance, KV compaction, and a wait for the device.
+        Returns the outcomes and the block's hidden states ``[batch, N+1, hidden]``
+        (``step_costs.py`` times this same call at a grid of shapes)."""
+        batch = len(roots)
         block = build_block(roots, trees, self.kv.valid, self.model.dtype, self.pad_token_id)
         past_len = self.kv.length
+        # Cascade: the attention reads the prefix's real slots from here and only the block part of the mask.
+        cascade = {PREFIX_VALID_KWARG: self.kv.valid} if self.cascade else {}  # bool [batch, past_len]
         out = self.base(input_ids=block.ids, attention_mask=block.attention_mask, position_ids=block.position_ids,
-                        use_cache=True, **{self._cache_kw: self.kv.cache})
+                        use_cache=True, **{self._cache_kw: self.kv.cache}, **cascade)
         hidden = out.last_hidden_state  # [batch, N+1, hidden]
         real = torch.cat([hidden[b, : block.sizes[b]] for b in range(batch)])  # LM head on real entries only
         outcomes = self._accept(trees, self.lm_head(real), block.sizes)
@@ -336,12 +366,13 @@ class Engine:
         for b, o in enumerate(outcomes):
             paths[b, : len(o.path)] = torch.tensor(o.path)
         self.kv.compact(past_len, paths)
-        t2 = time.perf_counter()
+        self._sync()
+        return outcomes, hidden
 
-        if self.kv.maybe_repack(self.repack_hole_fraction):
-            self.stats.repacks += 1
-        return admitted_done + self._commit(decisions, trees, outcomes, hidden, ctx, t1 - t0, t2 - t1, caught,
-                                            catch_up_s)
+    def _sync(self) -> None:
+        """Wait for the device's queued work, so that step times measure it (no-op on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _accept(self, trees: list[DraftTree], logits: torch.Tensor, sizes: list[int]) -> list[RowOutcome]:
         """Per row: the accepted path and the token after it; ``logits``
