@@ -141,7 +141,9 @@ def greedy(llm: Llama, ids: list[int], max_tokens: int) -> list[int]:
 
 
 class ServeProcess:
-    """``specctl serve`` on a free loopback port, the goodput preset."""
+    """``specctl serve`` in a child process on a free loopback port: a policy file
+    (re-read on :meth:`reload`, SIGHUP), a telemetry recording (:attr:`record`),
+    optionally pinned to ``cpus``."""
 
     def __init__(self, workdir: Path, policy: Path, cpus: set[int] | None = None) -> None:
         import socket
@@ -150,8 +152,12 @@ class ServeProcess:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.target = f"127.0.0.1:{port}"
+        self.policy = policy
+        self.record = workdir / "telemetry.jsonl.gz"
         config = workdir / "controller.yaml"
-        config.write_text(f"listen: {self.target}\npolicy: {policy}\nrecord: {workdir / 'telemetry.jsonl.gz'}\n")
+        # Polling slowed to an hour: the policy changes only when reload() says so.
+        config.write_text(f"listen: {self.target}\npolicy: {policy}\npolicy_poll_interval_s: 3600\n"
+                          f"record: {self.record}\n")
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.proc = subprocess.Popen([sys.executable, "-m", "specctl.cli", "serve", "--config", str(config)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin,
@@ -171,13 +177,22 @@ class ServeProcess:
     def status(self):
         return fetch_status(self.target, timeout=5.0)
 
-    def stop(self) -> None:
+    def reload(self, policy_text: str) -> None:
+        """Rewrite the policy file and have the controller read it (SIGHUP)."""
+        self.policy.write_text(policy_text)
+        self.proc.send_signal(signal.SIGHUP)
+
+    def stop(self, kill: bool = False) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if kill:  # kill -9: no goodbye to the workers
+                self.proc.kill()
+            else:
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait(5)
 
 
 def run_llamacpp_bench(out_dir: str = "bench/results", model: str = "smollm2-135m",

@@ -8,10 +8,6 @@ token for token with llama.cpp's plain greedy decoding of the same prompts.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +16,7 @@ import pytest
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-from bench.llamacpp import greedy as greedy_tokens, prompt_ids
+from bench.llamacpp import ServeProcess, greedy as greedy_tokens, prompt_ids
 from controller.client import fetch_status
 from controller.observe.recorder import read_recording
 from policies.presets import PRESET_DIR
@@ -28,7 +24,6 @@ from policies.table import Decision
 from worker.reference.models import gguf_file
 from worker.sdk.agent import AgentOptions, SpeculationAgent
 from worker.sdk.integrations.llamacpp import ControlledPromptLookup, calibrate, llamacpp_hello
-from tests.support import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -62,40 +57,11 @@ def plain(model_path):
     return ids, [greedy(llm, i) for i in ids]
 
 
-class Serve:
-    """``specctl serve`` in a child process: a policy file, a recording."""
-
-    def __init__(self, tmp: Path, policy_text: str) -> None:
-        self.port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        self.policy = tmp / "policy.yaml"
-        self.policy.write_text(policy_text)
-        self.record = tmp / "telemetry.jsonl.gz"
-        config = tmp / "controller.yaml"
-        config.write_text(f"listen: {self.target}\npolicy: {self.policy}\npolicy_poll_interval_s: 3600\n"
-                          f"record: {self.record}\n")
-        self.proc = subprocess.Popen([sys.executable, "-m", "specctl.cli", "serve", "--config", str(config)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"specctl serve exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                fetch_status(self.target, timeout=1.0)
-                return
-            except Exception:
-                time.sleep(0.2)
-        raise AssertionError("specctl serve did not answer")
-
-    def reload(self, policy_text: str) -> None:
-        self.policy.write_text(policy_text)
-        self.proc.send_signal(signal.SIGHUP)
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc.poll() is None:
-            (self.proc.kill if kill else self.proc.terminate)()
-            self.proc.wait(15)
+def serve_policy(tmp: Path, policy_text: str) -> ServeProcess:
+    """``specctl serve`` with this policy file text, recording its telemetry."""
+    policy = tmp / "policy.yaml"
+    policy.write_text(policy_text)
+    return ServeProcess(tmp, policy)
 
 
 def controlled(model_path: str, target: str, worker_id: str, **adapter_kw):
@@ -150,7 +116,7 @@ def recorded_steps(path: Path, worker_id: str) -> list[dict]:
 
 def test_output_is_plain_greedy_at_every_depth_the_controller_pushes(tmp_path, model_path, plain):
     ids, reference = plain
-    serve = Serve(tmp_path, static(0))
+    serve = serve_policy(tmp_path, static(0))
     llm, draft, agent = controlled(model_path, serve.target, "llama-depths")
     try:
         used = {}
@@ -174,7 +140,7 @@ def test_output_is_plain_greedy_at_every_depth_the_controller_pushes(tmp_path, m
 
 def test_goodput_controller_learns_on_llamacpp_and_stays_lossless(tmp_path, model_path, plain):
     ids, reference = plain
-    serve = Serve(tmp_path, (PRESET_DIR / "goodput.yaml").read_text())
+    serve = serve_policy(tmp_path, (PRESET_DIR / "goodput.yaml").read_text())
     llm, draft, agent = controlled(model_path, serve.target, "llama-goodput")
     try:
         for rnd in range(3):
@@ -204,7 +170,7 @@ def test_depth_zero_makes_no_draft_calls(tmp_path, model_path, plain, monkeypatc
         return original(*args, **kwargs)
 
     monkeypatch.setattr(LlamaPromptLookupDecoding, "find_candidate_pred_tokens", staticmethod(counting))
-    serve = Serve(tmp_path, static(0))
+    serve = serve_policy(tmp_path, static(0))
     llm, draft, agent = controlled(model_path, serve.target, "llama-off")
     try:
         until_planned(llm, draft, agent, ids, Decision.off())
@@ -244,7 +210,7 @@ class LoggingLookup(LlamaPromptLookupDecoding):
 def test_controller_sees_the_accepted_lengths_llamacpp_produced(tmp_path, model_path, plain):
     ids, reference = plain
     depth = 3
-    serve = Serve(tmp_path, static(depth))
+    serve = serve_policy(tmp_path, static(depth))
     llm, draft, agent = controlled(model_path, serve.target, "llama-accepts")
     try:
         until_planned(llm, draft, agent, ids, Decision.chain(depth))
@@ -271,7 +237,7 @@ def test_controller_sees_the_accepted_lengths_llamacpp_produced(tmp_path, model_
 
 def test_controller_down_the_adapter_keeps_its_last_plan(tmp_path, model_path, plain):
     ids, reference = plain
-    serve = Serve(tmp_path, static(4))
+    serve = serve_policy(tmp_path, static(4))
     llm, draft, agent = controlled(model_path, serve.target, "llama-cutoff")
     try:
         until_planned(llm, draft, agent, ids, Decision.chain(4))

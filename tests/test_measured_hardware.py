@@ -19,6 +19,7 @@ from worker.sim.measured import TABLE_DIR, MeasuredCostModel, load_table
 from worker.sim.runner import run_simulated
 from worker.sim.scenario import ScenarioError, load_scenario, scenario_from_dict
 from worker.sim.worker import SimWorker
+from tests.test_bench_policies import tiny
 
 TABLE = json.loads((TABLE_DIR / "h200-llama3-8b.json").read_text())
 BATCHES = sorted({r["batch"] for r in TABLE["verify"]})
@@ -139,23 +140,12 @@ def test_only_the_measured_model_and_one_gpu():
 
 # -- scenarios -------------------------------------------------------------------
 def h200_scenario(duration_s: float = 4.0, hardware: str = "H200-measured") -> dict:
-    """One H200 + a small EAGLE drafter, overloaded so the batch stays full (32)."""
-    return {
-        "name": "tiny-h200",
-        "duration_s": duration_s,
-        "seed": 5,
-        "domain_acceptance": {"chat": 1.0, "code": 1.08},
-        "traffic": {
-            "arrivals": {"kind": "poisson", "rate": 200.0},
-            "prompt_len": {"kind": "lognormal", "median": 400, "sigma": 0.5, "max": 4000},
-            "output_len": {"kind": "lognormal", "median": 64, "sigma": 0.4, "min": 8, "max": 256},
-            "domain_mix": {"chat": 0.5, "code": 0.5},
-        },
-        "workers": [{"id": "w", "hardware": hardware, "max_batch_size": 32,
-                     "drafter": {"kind": "eagle", "version": "t", "max_depth": 4, "max_width": 4, "max_nodes": 16,
-                                 "trained_context_len": 8192}}],
-        "changes": [{"at_s": duration_s / 2, "kind": "drift", "domain": "code", "factor": 0.8}],
-    }
+    """The policy bench's tiny scenario on one H200, overloaded so the batch stays full (32)."""
+    data = tiny(duration_s)
+    data["name"] = "tiny-h200"
+    data["traffic"]["arrivals"]["rate"] = 200.0
+    data["workers"][0].update(hardware=hardware, max_batch_size=32)
+    return data
 
 
 def test_a_yaml_scenario_on_the_measured_table_loads_and_simulates(tmp_path):

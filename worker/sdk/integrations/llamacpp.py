@@ -413,7 +413,7 @@ def calibrate(llama, max_tokens: int = 11, contexts: Sequence[int] = (64, 512), 
     """Time ``llama``'s forwards of 1..``max_tokens`` tokens after each context length:
     the ``Hello.calibration`` a worker sends so the cost model starts from this
     machine's curve. Leaves the Llama empty (its next generate evaluates the prompt)."""
-    eval_ = getattr(llama, "eval")
+    eval_ = llama.eval
     if isinstance(llama.draft_model, ControlledPromptLookup) and llama.draft_model._inner_eval is not None:
         eval_ = llama.draft_model._inner_eval  # not the timed one: calibration is no step
     need = max(contexts) + max_tokens
