@@ -75,6 +75,7 @@ import numpy as np
 from bench.policies import DEFAULT_DELAY_STEPS, ControlledFleet, compress_time, drive
 from controller.config import ServerConfig
 from controller.models.cost import CostParams, StepCostModel
+from protos.speculation.v1 import worker_pb2
 from policies.presets import load_preset
 from worker.sim.measured import MEASURED_HARDWARE, TABLE_DIR
 from worker.sim.scenario import load_scenario, scenario_from_dict
@@ -90,6 +91,7 @@ GOAL_RATIO = 0.10
 GOAL_RATIO_MIN_BATCH = 32
 MIN_COVER_STEPS = 10
 GRID_FIT_REPEATS = 10
+CALIBRATED_SUFFIX = "+calibration"
 QUICK_TIME_SCALE = 0.1
 # Slices drawn in the PNG: (batch, context), cost against batch tokens over q = 1..16.
 PLOT_SLICES: tuple[tuple[int, int], ...] = ((1, 1024), (8, 8192), (16, 1024), (32, 8192),
@@ -234,14 +236,27 @@ def run_data(scenario: str, worker: str, time_scale: float = 1.0, seed: int | No
     return data
 
 
+def table_calibration_samples(table: str | None = None) -> list[worker_pb2.VerifySample]:
+    """The measured table's verify rows as ``Hello.calibration`` (what ``specctl calibrate`` on that GPU
+    writes and ``specctl worker --calibration`` sends): one sample per measured point, ``repeats`` as
+    measured (capped at the proto's 64)."""
+    path = TABLE_DIR / (table or MEASURED_HARDWARE[HARDWARE].table)
+    data = json.loads(path.read_text())
+    repeats = int(min(max(int((data.get("info") or {}).get("repeats", 1)), 1), 64))
+    return [worker_pb2.VerifySample(batch_size=int(r["batch"]), batch_tokens=int(r["batch_tokens"]),
+                                    kv_tokens=int(r["kv_tokens"]), verify_ms=float(r["verify_ms"]), repeats=repeats)
+            for r in data["verify"]]
+
+
 def run_telemetry(data: dict, progress: Callable[[str], None] | None = None,
-                  delay_steps: int = DEFAULT_DELAY_STEPS) -> dict[str, Any]:
+                  delay_steps: int = DEFAULT_DELAY_STEPS, calibration: Sequence = ()) -> dict[str, Any]:
     """Drive the scenario's one worker under the controller (goodput preset); return the
-    controller's fitted cost model, its prior and the steps' shapes."""
+    controller's fitted cost model, its prior and the steps' shapes. ``calibration``: the worker's
+    ``Hello.calibration`` (none by default)."""
     scenario = scenario_from_dict(data, data["name"])
     workers = SimWorker.fleet(scenario)
     policy = load_preset(PRESET, scenario.preset_config.get(PRESET), f"{data['name']}: preset_config.{PRESET}")
-    fleet = ControlledFleet(workers, policy, ServerConfig(), delay_steps)
+    fleet = ControlledFleet(workers, policy, ServerConfig(), delay_steps, calibration=calibration)
     shapes: list[tuple[float, float, float, float]] = []
     duration = scenario.duration_s
     next_report = [duration / 10]
@@ -310,7 +325,7 @@ def telemetry_summary(steps: np.ndarray, truth: np.ndarray, fitted: np.ndarray, 
 # ------------------------------------------------------------------ the bench
 def run_costfit_bench(out_dir: str | Path = "bench/results", *, runs: Sequence[tuple[str, str]] = RUNS,
                       time_scale: float = 1.0, seed: int | None = None, plots: bool = True,
-                      progress: Callable[[str], None] | None = print) -> dict[str, Any]:
+                      calibrated: bool = True, progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the benchmark; write ``costfit.json`` (and ``costfit.png``) to ``out_dir``; return the report."""
     started = time.perf_counter()
     say = progress or (lambda _msg: None)
@@ -330,6 +345,10 @@ def run_costfit_bench(out_dir: str | Path = "bench/results", *, runs: Sequence[t
             "fitted": "the controller's StepCostModel for the worker at the end of the run (Controller.workers[id]"
                       ".cost.refit())",
             "prior": "that model's prior: CostParams.from_hardware on the worker's Hello hints (H200, Llama-3-8B)",
+            "calibrated": f"runs named '...{CALIBRATED_SUFFIX}': the same run with the worker's Hello carrying the "
+                          "measured table as its calibration (what specctl calibrate on that GPU writes and "
+                          "specctl worker --calibration sends); the fit is still the controller's, live steps "
+                          "and calibration together",
             "grid_fit": f"a StepCostModel fed every measured point {GRID_FIT_REPEATS}x, noise-free: the form's "
                         "best case",
             "pricing": "a point (B requests, q tokens, c context) is verify_ms(B*q, B*c, B*q*c)",
@@ -348,11 +367,13 @@ def run_costfit_bench(out_dir: str | Path = "bench/results", *, runs: Sequence[t
     priced: dict[str, np.ndarray] = {}
     covered_by: dict[str, np.ndarray] = {}
     counted: dict[str, np.ndarray] = {}
-    for scenario, worker in runs:
+    samples = table_calibration_samples()
+    variants = [(scenario, worker, cal) for scenario, worker in runs for cal in ((), samples)[:1 + calibrated]]
+    for scenario, worker, calibration in variants:
         data = run_data(scenario, worker, time_scale, seed)
-        key = f"{data['name']}/{worker}"
+        key = f"{data['name']}/{worker}" + (CALIBRATED_SUFFIX if calibration else "")
         say(f"costfit: {key} on {HARDWARE}, {data['duration_s']:.0f} s simulated, preset {PRESET}")
-        res = run_telemetry(data, say)
+        res = run_telemetry(data, say, calibration=calibration)
         prior = res["prior"] if prior is None else prior
         steps = res["steps"]
         fitted = res["fitted"]
@@ -369,6 +390,8 @@ def run_costfit_bench(out_dir: str | Path = "bench/results", *, runs: Sequence[t
             "scenario": data["name"], "worker": worker, "duration_s": data["duration_s"],
             "seed": data["seed"], "wall_s": round(res["wall_s"], 2), "plans_applied": res["plans_applied"],
             "samples": res["model"].samples, "rmse_ms": round(res["model"].rmse_ms, 4),
+            "calibration_samples": res["model"].calibration_samples,
+            "calibration_scale": round(res["model"].calibration_scale, 4),
             "telemetry": telemetry_summary(steps, truth, at_steps, plain),
             "covered_points": int(covered.sum()),
             **compare(points, ms, covered),

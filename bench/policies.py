@@ -344,8 +344,9 @@ class WorkerLink:
     controller produced it."""
 
     def __init__(self, worker: SimWorker, controller: Controller, delay_steps: int, fallback: Decision,
-                 options: AgentOptions = AgentOptions()) -> None:
+                 options: AgentOptions = AgentOptions(), calibration: Sequence = ()) -> None:
         self.hello = hello_proto(worker.hello)
+        self.hello.calibration.extend(calibration)  # Hello.calibration: forwards timed at start-up
         self.controller = controller
         self.state = controller.hello(self.hello)
         self.delay_steps = delay_steps
@@ -424,10 +425,11 @@ class ControlledFleet:
     """A fleet whose decisions come from a :class:`Controller` in simulated time."""
 
     def __init__(self, workers: Sequence[SimWorker], policy, config: ServerConfig, delay_steps: int,
-                 fallback: Decision = Decision.off()) -> None:
+                 fallback: Decision = Decision.off(), calibration: Sequence = ()) -> None:
         self.now = 0.0
         self.controller = Controller(config, policy, clock=lambda: self.now)
-        self.links = [WorkerLink(w, self.controller, delay_steps, fallback) for w in workers]
+        self.links = [WorkerLink(w, self.controller, delay_steps, fallback, calibration=calibration)
+                      for w in workers]
 
     def after(self, i: int, result: StepResult) -> None:
         # A step's report reaches the controller when the step ends.

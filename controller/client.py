@@ -37,6 +37,7 @@ def cost_params(c: controller_pb2.CostModel) -> CostParams:
     """The fitted cost model of a ``GetStatus`` answer, as the controller holds it."""
     return CostParams(mem_ms=c.mem_ms, mem_ms_per_kv_token=c.mem_ms_per_kv_token, compute_ms=c.compute_ms,
                       compute_ms_per_token=c.compute_ms_per_token, compute_ms_per_pair=c.compute_ms_per_pair,
+                      compute_ms_per_kv_token=c.compute_ms_per_kv_token,
                       compute_knots=tuple(c.compute_knots), compute_rise_ms=tuple(c.compute_rise_ms),
                       draft_fixed_ms=c.draft_fixed_ms, draft_ms_per_level=c.draft_ms_per_level,
                       draft_ms_per_node=c.draft_ms_per_node, draft_ms_per_level_kv_token=c.draft_ms_per_level_kv_token,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import math
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -154,6 +156,53 @@ def test_calibration_gives_the_shape_and_live_steps_the_level():
     assert model.refit().verify_ms(7, 150, 1050) == pytest.approx(fit.verify_ms(7, 150, 1050))
 
 
+def test_kv_reads_add_to_compute_at_compute_bound_batches():
+    """A GPU whose attention reads the KV cache after the GEMMs (the measured H200): at compute-bound
+    batches the step costs GEMMs plus KV reads, not the larger of the two. The fit finds the compute
+    plane's KV slope, and the cost of 4 tokens per request over one at batch 64 and 8k context (what
+    the policy's decisions turn on) comes out as the truth has it; without the term it cannot."""
+    def truth(n, kv):
+        return max(6.0 + 3e-5 * kv, 5.0 + 0.03 * n + 2.9e-5 * kv)
+
+    shapes = [(b, q, c) for b in (1, 4, 16, 64, 256) for q in (1, 2, 4, 8) for c in (1024, 8192)]
+    model = StepCostModel(prior=CostParams(mem_ms=6.0))
+    for _ in range(5):
+        for b, q, c in shapes:
+            model.observe_verify(b * q, b * c, truth(b * q, b * c), b * q * c)
+    fit = model.refit()
+    assert fit.compute_ms_per_kv_token == pytest.approx(2.9e-5, rel=0.1)
+
+    def ratio(p, b, q, c):
+        return p.verify_ms(b * q, b * c, b * q * c) / p.verify_ms(b, b * c, b * c)
+
+    for b, q, c in ((64, 4, 8192), (256, 2, 1024), (256, 8, 8192)):
+        assert ratio(fit, b, q, c) == pytest.approx(truth(b * q, b * c) / truth(b, b * c), rel=0.03)
+    # The form without the term (the compute plane blind to KV) misses the same ratio by far more.
+    blind = replace(fit, compute_ms_per_kv_token=0.0)
+    assert abs(ratio(blind, 64, 4, 8192) / (truth(256, 64 * 8192) / truth(64, 64 * 8192)) - 1) > 0.1
+
+
+def test_calibration_is_scaled_by_the_shapes_live_steps_ran():
+    """A calibration grid of 1..16 tokens per request at 1k and 8k context, and live steps at shapes the
+    grid never ran (15 requests of 6 tokens at 4k context) but in the same batch-token segments. Where
+    live and calibration agree the scale stays 1; 25 % slower live steps scale it to 1.25. (Compared
+    per batch-token segment, the 96-token cell of 96 plain requests at 1k against 15 x 6 tokens at 4k,
+    a calibration that matched exactly scaled itself to 0.6-0.7.)"""
+    def truth(b, q, c):
+        return max(6.0 + 3e-5 * b * c, 5.0 + 0.03 * b * q + 2.9e-5 * b * c)
+
+    grid = [(b * q, b * c, b * q * c, truth(b, q, c), 5) for b in (1, 4, 16, 32, 64, 96) for q in (1, 2, 4, 8, 16)
+            for c in (1024, 8192)]
+    for slower in (1.0, 1.25):
+        model = StepCostModel(prior=CostParams(mem_ms=6.0))
+        model.calibrate(grid)
+        for _ in range(200):
+            model.observe_verify(90, 15 * 4096, slower * truth(15, 6, 4096), 90 * 4096)
+            model.observe_verify(50, 10 * 4000, slower * truth(10, 5, 4000), 50 * 4000)
+        model.refit()
+        assert model.calibration_scale == pytest.approx(slower, rel=0.03)
+
+
 def test_a_cpu_where_every_token_costs_is_not_fitted_as_one_flat_memory_plane():
     """The EAGLE worker's verify cells of a real benchmark run on an Intel Xeon (live cells and the scaled
     start-up calibration, as ``StepCostModel.refit`` hands them over; tests/data). There a plain step costs
@@ -180,6 +229,7 @@ def test_a_cpu_where_every_token_costs_is_not_fitted_as_one_flat_memory_plane():
 # ---------------------------------------------------------------- robustness (issue #25 item 6)
 
 TERMS = ("mem_ms", "mem_ms_per_kv_token", "compute_ms", "compute_ms_per_token", "compute_ms_per_pair",
+         "compute_ms_per_kv_token",
          "draft_fixed_ms", "draft_ms_per_level", "draft_ms_per_node", "draft_ms_per_level_kv_token",
          "catch_up_ms_per_token")
 CONTEXTS = (300, 1000, 4000, 16000)

@@ -107,8 +107,15 @@ def test_short_run_writes_the_report_and_the_fit_beats_the_prior(tmp_path):
     assert (tmp_path / "costfit.json").exists() and (tmp_path / "costfit.png").exists()
     on_disk = json.loads((tmp_path / "costfit.json").read_text())
     assert set(on_disk) == {"meta", "runs", "prior", "grid_fit", "points"}
-    (key, run), = on_disk["runs"].items()
-    assert key == "threshold-cliff/h100-mtp"
+    key, calibrated_key = "threshold-cliff/h100-mtp", "threshold-cliff/h100-mtp+calibration"
+    assert list(on_disk["runs"]) == [key, calibrated_key]
+    run, calibrated = on_disk["runs"][key], on_disk["runs"][calibrated_key]
+    # The second run's worker sent the measured table as its Hello.calibration; where its live
+    # steps meet the calibrated range the two agree (the truth is that table), so the scale stays ~1.
+    assert run["calibration_samples"] == 0 and calibrated["calibration_samples"] == 105
+    assert calibrated["calibration_scale"] == pytest.approx(1.0, abs=0.1)
+    # Shapes the policy never ran are known from the calibration, not extrapolated.
+    assert calibrated["grid"]["uncovered"]["median"] < run["grid"]["uncovered"]["median"]
     assert run["telemetry"]["steps"] > 100 and run["telemetry"]["spec_step_share"] > 0
     for section in (run, on_disk["prior"], on_disk["grid_fit"]):
         assert set(section["grid"]["all"]) >= {"median", "p90", "max", "n"}

@@ -354,6 +354,7 @@ async def test_an_outlier_step_leaves_the_fitted_cost_non_negative_and_other_sha
     [ws] = (await get_status(channel, "w-outlier")).workers
     cost = ws.cost_model
     for name in ("mem_ms", "mem_ms_per_kv_token", "compute_ms", "compute_ms_per_token", "compute_ms_per_pair",
+                 "compute_ms_per_kv_token",
                  "draft_fixed_ms", "draft_ms_per_level", "draft_ms_per_node"):
         assert getattr(cost, name) >= 0.0, (name, getattr(cost, name))
     assert all(r >= 0.0 for r in cost.compute_rise_ms)

@@ -83,8 +83,8 @@ async def test_status_table_piped_at_80_columns(served) -> None:
     # Narrow tables that fit are still tables.
     assert any("reason" in line and "count" in line for line in lines)
 
-    # A wide terminal (or COLUMNS) keeps the one-row-per-worker table.
-    rc, out, err = await specctl("status", "--controller", served.address, columns=250)
+    # A wide terminal (or COLUMNS) keeps the one-row-per-worker table (wide enough for a plan of five runs).
+    rc, out, err = await specctl("status", "--controller", served.address, columns=320)
     assert rc == 0, err
     header = [line for line in out.splitlines() if "plan at this context" in line]
     assert len(header) == 1 and "est. speedup" in header[0] and "fit rmse ms" in header[0]

@@ -296,6 +296,7 @@ class Controller:
             cost_model=controller_pb2.CostModel(
                 mem_ms=p.mem_ms, mem_ms_per_kv_token=p.mem_ms_per_kv_token, compute_ms=p.compute_ms,
                 compute_ms_per_token=p.compute_ms_per_token, compute_ms_per_pair=p.compute_ms_per_pair,
+                compute_ms_per_kv_token=p.compute_ms_per_kv_token,
                 compute_knots=p.compute_knots, compute_rise_ms=p.compute_rise_ms, draft_fixed_ms=p.draft_fixed_ms,
                 draft_ms_per_level=p.draft_ms_per_level, draft_ms_per_node=p.draft_ms_per_node,
                 draft_ms_per_level_kv_token=p.draft_ms_per_level_kv_token,

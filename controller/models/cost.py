@@ -106,6 +106,11 @@ class CostParams:
     compute_ms: float = 0.0
     compute_ms_per_token: float = 0.0
     compute_ms_per_pair: float = 0.0
+    # KV reads on the compute plane: on a GPU attention streams the cache in its
+    # own kernels after the GEMMs, so at compute-bound batches the two add up
+    # (the measured H200: a 4-token step at batch 64 and 8k context costs 1.4x
+    # one token, where the max of the planes says 2x). 0 in the roofline prior.
+    compute_ms_per_kv_token: float = 0.0
     # The compute curve: batch tokens at the knots and the ms it has risen above
     # ``compute_ms`` there (non-decreasing, 0 at the first knot). Empty: linear plane.
     compute_knots: tuple[float, ...] = ()
@@ -197,7 +202,8 @@ class CostParams:
         """One target forward (scalars or arrays); ``attn_pairs`` 0 leaves attention flops out."""
         mem = self.mem_ms + self.mem_ms_per_kv_token * np.asarray(kv_tokens, dtype=float)
         comp = (self.compute_ms + self.compute_curve_ms(batch_tokens)
-                + self.compute_ms_per_pair * np.asarray(attn_pairs, dtype=float))
+                + self.compute_ms_per_pair * np.asarray(attn_pairs, dtype=float)
+                + self.compute_ms_per_kv_token * np.asarray(kv_tokens, dtype=float))
         out = np.maximum(mem, comp)
         return float(out) if out.ndim == 0 else out
 
@@ -254,8 +260,11 @@ HIDDEN_SPREAD = 0.5
 NOISE_FLOOR = 0.01
 PSEUDO_NOISE = 10.0
 MODEL_ERROR = 0.01
+# The compute plane's columns: intercept, pairs, KV tokens, then the curve's segment rises.
+_CURVE_COLUMN = 3
 # Every scalar term a fit may set; none is ever negative.
 _TERMS = ("mem_ms", "mem_ms_per_kv_token", "compute_ms", "compute_ms_per_token", "compute_ms_per_pair",
+          "compute_ms_per_kv_token",
           "draft_fixed_ms", "draft_ms_per_level", "draft_ms_per_node", "draft_ms_per_level_kv_token",
           "catch_up_ms_per_token")
 
@@ -331,12 +340,13 @@ def _fit_max_planes(batch_tokens, kv_tokens, verify_ms, weights, prior, prior_we
     active = np.flatnonzero((start < batch_tokens.max()) & (end > batch_tokens.min()))
 
     def design_rows(n: np.ndarray, kv: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Memory-plane rows [points, 2], compute-plane rows [points, 2 + active segments] and the compute
-        plane's fixed part (the prior's curve when no segment is active)."""
+        """Memory-plane rows [points, 2], compute-plane rows [points, 3 + active segments] (intercept, pairs,
+        KV tokens, segment rises) and the compute plane's fixed part (the prior's curve when no segment is
+        active)."""
         basis = _segment_basis(n, start[active], length[active],
                                open_last=bool(len(active)) and active[-1] == len(start) - 1)
         return (np.column_stack([np.ones(len(n)), kv / _KV_SCALE]),
-                np.column_stack([np.ones(len(n)), p / _P_SCALE, basis]),
+                np.column_stack([np.ones(len(n)), p / _P_SCALE, kv / _KV_SCALE, basis]),
                 np.zeros(len(n)) if len(active) else prior.compute_curve_ms(n) * np.ones(len(n)))
 
     mem_x, comp_x, comp_offset = design_rows(batch_tokens, kv_tokens, pairs)
@@ -345,20 +355,22 @@ def _fit_max_planes(batch_tokens, kv_tokens, verify_ms, weights, prior, prior_we
         # The intercept is the plane's value where the data starts: at the first active segment.
         anchor = start[active[0]]
         prior_comp = np.concatenate([[prior.compute_ms + float(prior.compute_curve_ms(anchor)),
-                                      prior.compute_ms_per_pair * _P_SCALE],
+                                      prior.compute_ms_per_pair * _P_SCALE,
+                                      prior.compute_ms_per_kv_token * _KV_SCALE],
                                      prior.segment_slopes(knots)[active] * length[active]])
     else:
         # Every batch at or below the first knot: the curve keeps the prior's shape under a fitted
         # intercept (compute_ms itself, so NNLS keeps it ≥ 0; anchoring it at the data and subtracting
         # the prior's curve there went negative whenever the data lay below that curve).
-        prior_comp = np.array([prior.compute_ms, prior.compute_ms_per_pair * _P_SCALE])
+        prior_comp = np.array([prior.compute_ms, prior.compute_ms_per_pair * _P_SCALE,
+                               prior.compute_ms_per_kv_token * _KV_SCALE])
     ridge = math.sqrt(prior_weight)
     # Smoothness rows: (slope_j - slope_{j+1}) times their mean length, for neighbouring active segments.
     smooth = np.zeros((max(len(active) - 1, 0), comp_x.shape[1]))
     for row, (a, b) in enumerate(zip(active[:-1], active[1:])):
         scale = math.sqrt(SMOOTHNESS) * 0.5 * (length[a] + length[b])
-        smooth[row, 2 + row] = scale / length[a]
-        smooth[row, 3 + row] = -scale / length[b]
+        smooth[row, _CURVE_COLUMN + row] = scale / length[a]
+        smooth[row, _CURVE_COLUMN + 1 + row] = -scale / length[b]
 
     def solve(x: np.ndarray, y: np.ndarray, mask: np.ndarray, prior_vec: np.ndarray, sw: np.ndarray,
               extra: np.ndarray | None = None) -> np.ndarray:
@@ -428,11 +440,12 @@ def _fit_max_planes(batch_tokens, kv_tokens, verify_ms, weights, prior, prior_we
     if robust and ((force >= 0).any() or (excluded != off).any() or (np.abs(z[off]) < 10 * ROBUST_Z).any()):
         mem, comp = fit(targets, weights, force)
     fitted = replace(prior, mem_ms=float(mem[0]), mem_ms_per_kv_token=float(mem[1] / _KV_SCALE),
-                     compute_ms_per_pair=float(comp[1] / _P_SCALE))
+                     compute_ms_per_pair=float(comp[1] / _P_SCALE),
+                     compute_ms_per_kv_token=float(comp[2] / _KV_SCALE))
     if not len(active):  # the curve keeps the prior's shape
         return _non_negative(replace(fitted, compute_ms=float(comp[0]))), targets
     slopes = np.zeros(len(start))  # flat below the data
-    slopes[active] = comp[2:] / length[active]
+    slopes[active] = comp[_CURVE_COLUMN:] / length[active]
     # Past the data the curve continues at the steeper of the last segment's slope
     # and the mean slope over the data: one sparse, noisy last segment must not
     # make every larger batch look free (kernels only get more compute-bound).
@@ -714,6 +727,7 @@ class StepCostModel:
         # Start-up calibration, kept apart from live cells: [samples, (N, KV, pairs, ms, weight)].
         self._calibration = np.zeros((0, 5))
         self._calibration_cells = np.zeros(0, dtype=np.int64)
+        self._calibration_fit: CostParams | None = None
         self.calibration_scale = 1.0
         self.samples = 0
         self._judged_off = np.zeros(0, dtype=np.int64)  # cells the robust rule moved at the last refit
@@ -728,9 +742,13 @@ class StepCostModel:
         level is the live one. A worker measured on a quiet machine and
         then run among other processes (or warmer, or throttled) is slower
         at every shape by a similar factor, so at each refit the samples
-        are scaled by the weighted least-squares ratio of live means to
-        calibration at the batch-token segments that have both
-        (``calibration_scale``; 1 until traffic overlaps them). Mixed unscaled, a calibration 20 %
+        are scaled by the weighted least-squares ratio of live cell means to
+        what the calibration alone predicts at those cells' shapes, over the
+        live cells inside the calibrated range (``calibration_scale``; 1 until
+        traffic reaches it). Shapes, not segments: one segment of batch tokens
+        holds 96 requests of one token at 1k context and 15 of six tokens at
+        4k; compared as one, a measured H200 table scaled itself to 0.6-0.7
+        of live steps it matched exactly. Mixed unscaled, a calibration 20 %
         below live times makes the curve flat from the last live shape to
         the first calibrated one: the reference worker's controller saw 7
         and 8 tokens as free at batch 1 and planned 8-token trees."""
@@ -742,6 +760,9 @@ class StepCostModel:
                              f"verify_ms > 0 and weight > 0")
         self._calibration = rows
         self._calibration_cells = _cell_index(rows[:, 0], rows[:, 1])  # fixed with the samples
+        # What the calibration alone says, at any shape (live cells are compared with it).
+        self._calibration_fit = (fit_max_planes(rows[:, 0], rows[:, 1], rows[:, 3], rows[:, 4], self.prior,
+                                                self.prior_weight, attn_pairs=rows[:, 2]) if len(rows) else None)
 
     @property
     def calibration_samples(self) -> int:
@@ -750,17 +771,20 @@ class StepCostModel:
     def _scaled_calibration(self) -> np.ndarray:
         """Calibration rows with ms scaled to the live level (see :meth:`calibrate`)."""
         cal = self._calibration.copy()
-        # Compared per batch-token segment (all context lengths together): a start-up
-        # grid and live traffic rarely share a KV cell, and the scale is one number.
-        segment = self._calibration_cells // KV_BITS
-        seg_w = self._w.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1)
-        seg_t = self._t.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1)
-        live_w = seg_w[segment]
-        both = live_w >= 3.0  # a few live steps at the same batch tokens
-        if both.any():
-            live = seg_t[segment[both]] / live_w[both]
-            ms, w = cal[both, 3], np.minimum(live_w[both], cal[both, 4])
-            self.calibration_scale = float(np.clip(np.sum(w * live * ms) / np.sum(w * ms * ms), 0.25, 4.0))
+        # Live cells of a few steps each, inside the calibrated range (batch tokens within its span,
+        # KV within a factor of 2 of its span: the calibration's fit interpolates there).
+        n_lo, n_hi = cal[:, 0].min(), cal[:, 0].max()
+        kv_lo, kv_hi = cal[:, 1].min() / 2, cal[:, 1].max() * 2
+        live = np.flatnonzero(self._w >= 3.0)
+        if live.size and self._calibration_fit is not None:
+            w = self._w[live]
+            n, kv, pairs, t = (self._n[live] / w, self._kv[live] / w, self._pairs[live] / w, self._t[live] / w)
+            inside = (n >= n_lo) & (n <= n_hi) & (kv >= kv_lo) & (kv <= kv_hi)
+            if inside.any():
+                pred = np.asarray(self._calibration_fit.verify_ms(n[inside], kv[inside], pairs[inside]), dtype=float)
+                w = np.minimum(w[inside], 64.0)  # one busy cell is not the whole comparison
+                self.calibration_scale = float(np.clip(np.sum(w * t[inside] * pred) / np.sum(w * pred * pred),
+                                                       0.25, 4.0))
         cal[:, 3] *= self.calibration_scale
         return cal
 

@@ -205,7 +205,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class CostModel(_message.Message):
-    __slots__ = ("mem_ms", "mem_ms_per_kv_token", "compute_ms", "compute_ms_per_token", "draft_fixed_ms", "draft_ms_per_level", "draft_ms_per_node", "samples", "rmse_ms", "draft_ms_per_level_kv_token", "compute_ms_per_pair", "compute_knots", "compute_rise_ms", "catch_up_ms_per_token")
+    __slots__ = ("mem_ms", "mem_ms_per_kv_token", "compute_ms", "compute_ms_per_token", "draft_fixed_ms", "draft_ms_per_level", "draft_ms_per_node", "samples", "rmse_ms", "draft_ms_per_level_kv_token", "compute_ms_per_pair", "compute_knots", "compute_rise_ms", "catch_up_ms_per_token", "compute_ms_per_kv_token")
     MEM_MS_FIELD_NUMBER: _ClassVar[int]
     MEM_MS_PER_KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class CostModel(_message.Message):
     COMPUTE_KNOTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_RISE_MS_FIELD_NUMBER: _ClassVar[int]
     CATCH_UP_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_PER_KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     mem_ms: float
     mem_ms_per_kv_token: float
     compute_ms: float
@@ -234,7 +235,8 @@ class CostModel(_message.Message):
     compute_knots: _containers.RepeatedScalarFieldContainer[float]
     compute_rise_ms: _containers.RepeatedScalarFieldContainer[float]
     catch_up_ms_per_token: float
-    def __init__(self, mem_ms: _Optional[float] = ..., mem_ms_per_kv_token: _Optional[float] = ..., compute_ms: _Optional[float] = ..., compute_ms_per_token: _Optional[float] = ..., draft_fixed_ms: _Optional[float] = ..., draft_ms_per_level: _Optional[float] = ..., draft_ms_per_node: _Optional[float] = ..., samples: _Optional[int] = ..., rmse_ms: _Optional[float] = ..., draft_ms_per_level_kv_token: _Optional[float] = ..., compute_ms_per_pair: _Optional[float] = ..., compute_knots: _Optional[_Iterable[float]] = ..., compute_rise_ms: _Optional[_Iterable[float]] = ..., catch_up_ms_per_token: _Optional[float] = ...) -> None: ...
+    compute_ms_per_kv_token: float
+    def __init__(self, mem_ms: _Optional[float] = ..., mem_ms_per_kv_token: _Optional[float] = ..., compute_ms: _Optional[float] = ..., compute_ms_per_token: _Optional[float] = ..., draft_fixed_ms: _Optional[float] = ..., draft_ms_per_level: _Optional[float] = ..., draft_ms_per_node: _Optional[float] = ..., samples: _Optional[int] = ..., rmse_ms: _Optional[float] = ..., draft_ms_per_level_kv_token: _Optional[float] = ..., compute_ms_per_pair: _Optional[float] = ..., compute_knots: _Optional[_Iterable[float]] = ..., compute_rise_ms: _Optional[_Iterable[float]] = ..., catch_up_ms_per_token: _Optional[float] = ..., compute_ms_per_kv_token: _Optional[float] = ...) -> None: ...
 
 class StratumAcceptance(_message.Message):
     __slots__ = ("drafter_kind", "drafter_version", "context_len_min", "context_len_max", "alpha", "effective_samples", "expected_accepted_chain")
