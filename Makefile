@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/speculation/v1/*.proto)
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF
 
-.PHONY: demo test proto bench-controller clean chromium
+.PHONY: demo test proto bench-controller clean chromium redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,12 +23,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/specctl demo
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium redis
 	$(BIN)/python -m pytest -q
 
 # Debian's Chromium for the status page's headless-browser test (CI runs as root).
 chromium:
 	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
+
+# Debian's redis-server for the fleet tests: each test starts its own on a free
+# loopback port in a temporary folder (tests/redis_support.py); nothing here runs it.
+redis:
+	command -v redis-server >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server)
 
 # Regenerate the Python code of the speculation.v1 protos (a test fails when it is stale).
 proto: $(STAMP)

@@ -49,6 +49,11 @@ Measurements:
 - ``agent_decide_us_median``: ``SpeculationAgent.decide`` with a plan from
   the real goodput policy installed through the agent's compile path, median
   over 20 batches of 10 000 calls.
+- ``agent_decide_classes_us_median``: the same with request classes (issue
+  #29): the goodput policy under a ``classes:`` section of three classes
+  (interactive with a TPOT target, batch, bulk with typical acceptance),
+  every call naming a class (1 % a name the plan does not know), so each
+  lookup first picks its class's table.
 """
 
 from __future__ import annotations
@@ -555,12 +560,23 @@ def controller_child(conn, profile_dir: str | None = None) -> None:
 
 # ------------------------------------------------------------ decide bench
 
-def bench_agent_decide(batches: int = 20, calls: int = 10_000, seed: int = 0) -> list[float]:
+BENCH_CLASSES = {
+    "interactive": {"weight": 4, "tpot_target_ms": 30, "tpot_quantile": "p99"},
+    "batch": {"weight": 1},
+    "bulk": {"weight": 1, "acceptance": "typical"},
+}
+# Shares of decide() calls per class name ("" = none given; "nope" is unknown to the plan).
+BENCH_CLASS_MIX = (("interactive", 0.45), ("batch", 0.40), ("bulk", 0.09), ("", 0.05), ("nope", 0.01))
+
+
+def bench_agent_decide(batches: int = 20, calls: int = 10_000, seed: int = 0, classes: bool = False) -> list[float]:
     """µs per ``SpeculationAgent.decide`` call, one value per batch of ``calls``.
 
     The plan is what the real goodput policy pushes to a fresh worker,
     installed through the agent's own apply path (``compile_plan``); 5 % of
     the request ids carry a per-request override, as the policy's probes do.
+    ``classes``: the policy has :data:`BENCH_CLASSES` and each call names a
+    class drawn from :data:`BENCH_CLASS_MIX`.
     """
     from controller.config import ServerConfig
     from controller.core import Controller
@@ -568,13 +584,16 @@ def bench_agent_decide(batches: int = 20, calls: int = 10_000, seed: int = 0) ->
     from worker.sdk.agent import SpeculationAgent, compile_plan
 
     hello = bench_hello("decide-bench")
-    ctl = Controller(ServerConfig(), load_preset("goodput"))
+    policy = load_preset("goodput", {"classes": BENCH_CLASSES, "default_class": "batch"} if classes else None)
+    ctl = Controller(ServerConfig(), policy)
     updates = ctl.plan_updates(ctl.hello(hello), force=True)
     plan = next(u for u in updates if isinstance(u, plan_pb2.Plan))
     compile_plan(plan, hello, 0)  # raises if the plan does not compile
     agent = SpeculationAgent(hello, "127.0.0.1:1")  # never started: no network
     if agent._apply_plan(plan).WhichOneof("payload") != "ack":
         raise BenchError("the agent refused the goodput plan")
+    if classes and set(agent.classes) != set(BENCH_CLASSES):
+        raise BenchError(f"the plan's classes are {agent.classes}, expected {sorted(BENCH_CLASSES)}")
     rng = random.Random(seed)
     rids = [f"req-{i}" for i in range(256)]
     overridden = rids[::20]
@@ -583,14 +602,19 @@ def bench_agent_decide(batches: int = 20, calls: int = 10_000, seed: int = 0) ->
                                  reason="explore") for r in overridden])
     if agent._apply_decisions(msg).WhichOneof("payload") != "ack":
         raise BenchError("the agent refused the request decisions")
-    inputs = [(rng.choice(rids), int(math.exp(rng.uniform(math.log(50), math.log(200_000)))), rng.randint(1, 256))
-              for _ in range(calls)]
+    names, weights = zip(*BENCH_CLASS_MIX)
+    inputs = [(rng.choice(rids), int(math.exp(rng.uniform(math.log(50), math.log(200_000)))), rng.randint(1, 256),
+               rng.choices(names, weights)[0]) for _ in range(calls)]
     decide = agent.decide
     out = []
     for _ in range(batches):
         t = time.perf_counter()
-        for rid, ctx, batch in inputs:
-            decide(rid, ctx, batch)
+        if classes:
+            for rid, ctx, batch, name in inputs:
+                decide(rid, ctx, batch, name)
+        else:
+            for rid, ctx, batch, _ in inputs:
+                decide(rid, ctx, batch)
         out.append((time.perf_counter() - t) / calls * 1e6)
     return out
 
@@ -869,6 +893,7 @@ def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duratio
             _stop_process(gen, gen_conn)
             t = time.monotonic()
             decide_us = bench_agent_decide(batches=decide_batches, calls=decide_calls)
+            decide_classes_us = bench_agent_decide(batches=decide_batches, calls=decide_calls, classes=True)
             progress.update(t_dec, completed=decide_batches)
             phase_s["decide"] = time.monotonic() - t
     except (BenchError, OSError) as err:
@@ -913,6 +938,8 @@ def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duratio
         "plan_ack_rtt_ms_p50": _percentile(rtt_window, 50),
         "plan_ack_rtt_ms_p99": _percentile(rtt_window, 99),
         "agent_decide_us_batches": decide_us,
+        "agent_decide_classes_us_median": _percentile(decide_classes_us, 50),
+        "agent_decide_classes_us_batches": decide_classes_us,
         "controller": {k: v for k, v in ctl.items() if k not in ("t0", "t1")},
         "bare": {k: v for k, v in bare.items() if k not in ("t0", "t1", "sections")},
         "controller_peak_rss_mb": ctl_srv.get("peak_rss_mb"),
@@ -939,6 +966,8 @@ def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duratio
         goal_plan_push_p99_le_5ms=bool(p99 is not None and p99 <= GOAL_PUSH_P99_MS),
         goal_ingest_ge_half_bare=bool(ratio is not None and ratio >= GOAL_INGEST_VS_BARE),
         goal_decide_le_10us=bool(dec is not None and dec <= GOAL_DECIDE_US),
+        goal_decide_classes_le_10us=bool(results["agent_decide_classes_us_median"] is not None
+                                         and results["agent_decide_classes_us_median"] <= GOAL_DECIDE_US),
     )
     (out / "controller.json").write_text(json.dumps(results, indent=2))
     t_ref = ctl["t0"]
@@ -983,6 +1012,8 @@ def _print_table(console, r: dict, ctl: dict, bare: dict, out: Path) -> None:
               f"{_fmt(r['plan_ack_rtt_ms_p50'], digits=2)} / {_fmt(r['plan_ack_rtt_ms_p99'], digits=2)}", "")
     t.add_row("agent.decide median (µs)", _fmt(r["agent_decide_us_median"], digits=3),
               goal(r["goal_decide_le_10us"]) + " (≤ 10 µs)")
+    t.add_row("agent.decide median with classes (µs)", _fmt(r["agent_decide_classes_us_median"], digits=3),
+              goal(r["goal_decide_classes_le_10us"]) + " (≤ 10 µs, 3 classes)")
     t.add_row("workers registered at the controller", f"{ctl.get('workers_registered')} of {r['workers']}", "")
     t.add_row("controller ingest µs/step / run_policy ms",
               f"{_fmt(ctl.get('ingest_us_per_step'))} / {_fmt(ctl.get('run_policy_ms_mean'), digits=2)}", "")

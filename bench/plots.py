@@ -119,3 +119,62 @@ def plot_series(name: str, series: dict[str, dict], entry: dict, path: Path, gat
 
 def _nan(values: list) -> list[float]:
     return [math.nan if v is None else v for v in values]
+
+
+CLASS_COLORS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2"]
+CLASS_RUNS = {  # policy -> (line style, label suffix)
+    PRODUCT: ("-", "goodput (classes)"),
+    f"{PRODUCT}-one-class": ("--", "goodput, one class"),
+    "oracle": (":", "class oracle"),
+}
+
+
+def plot_classes(name: str, series: dict[str, dict], entry: dict, path: Path) -> None:
+    """TPOT per request class over time beside the plan each class got.
+
+    Panels, for the product with classes, the product without them (one
+    class) and the class oracle: the TPOT p99 of each class's requests that
+    finished in the bin (its target dashed), the mean draft nodes per
+    request-step each class was given (the plan as it reached the requests),
+    and the mean depth; one colour per class, one line style per policy.
+    """
+    runs = [p for p in CLASS_RUNS if p in series and "classes" in series[p]]
+    if not runs:
+        return
+    classes = list(series[runs[0]]["classes"])
+    per_class = entry["policies"][runs[0]].get("per_class", {})
+    fig, (ax_tpot, ax_nodes, ax_depth, ax_batch) = plt.subplots(4, 1, figsize=(11, 12), sharex=True)
+    for p in runs:
+        s = series[p]
+        t = s["t_s"]
+        ls, label = CLASS_RUNS[p]
+        for k, c in enumerate(classes):
+            color = CLASS_COLORS[k % len(CLASS_COLORS)]
+            cs = s["classes"][c]
+            ax_tpot.plot(t, _nan(cs["tpot_ms_p99"]), color=color, ls=ls, lw=1.6, label=f"{c}: {label}")
+            ax_nodes.plot(t, _nan(cs["mean_nodes"]), color=color, ls=ls, lw=1.4, label=f"{c}: {label}")
+            ax_depth.plot(t, _nan(cs["mean_depth"]), color=color, ls=ls, lw=1.4, label=f"{c}: {label}")
+        ax_batch.plot(t, _nan(s["mean_batch"]), color="black", ls=ls, lw=1.2, label=f"batch size: {label}")
+    for k, c in enumerate(classes):
+        target = per_class.get(c, {}).get("tpot_target_ms")
+        if target:
+            color = CLASS_COLORS[k % len(CLASS_COLORS)]
+            ax_tpot.axhline(target, color=color, lw=0.9, ls=(0, (6, 3)), alpha=0.7)
+            q = per_class[c].get("tpot_quantile") or "p99"
+            ax_tpot.text(0.01, target, f" {c} target {target:g} ms ({q})", color=color, fontsize=7, va="bottom",
+                         transform=ax_tpot.get_yaxis_transform())
+    ax_tpot.set_ylabel("TPOT p99 of requests\nfinished in the bin (ms)", fontsize=8)
+    ax_nodes.set_ylabel("draft nodes per\nrequest-step (the plan)", fontsize=8)
+    ax_depth.set_ylabel("mean depth per\nrequest-step (0 = off)", fontsize=8)
+    ax_batch.set_ylabel("mean batch size", fontsize=8)
+    ax_batch.set_xlabel("scenario time (s)", fontsize=8)
+    for ax in (ax_tpot, ax_nodes, ax_depth, ax_batch):
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize=6.5, ncol=3)
+    ax_tpot.set_ylim(bottom=0)
+    ax_tpot.set_title(f"{name}: TPOT per request class over time beside the plan "
+                      f"(bins of {series[runs[0]]['t_s'][0] * 2:.1f} s)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -46,6 +46,23 @@ Metrics per run (``DIR/policies.json``):
   decode speed in the batch (≈ 1000 / TPOT), with ``request_vs_oracle`` /
   ``request_vs_best_static``.
 
+Request classes (issue #29). A scenario with ``classes:`` (see
+:mod:`worker.sim.scenario`) runs every preset with those classes laid over
+its file, and adds per policy ``per_class: {NAME: {tpot_ms_p99,
+tpot_ms_p50, tpot_target_ms, target_met, target_met_share, bins_met_share,
+goodput_tok_s, ...}}`` (:func:`class_metrics`; a request's TPOT is its time
+in the batch over the tokens it emitted, i.e. its decode steps' draft +
+verify time over its tokens), ``weighted_goodput_tok_s`` and
+``weighted_vs_oracle``. Its ``oracle`` is then
+:class:`bench.oracle.ClassOracleDecider` (weighted goodput subject to the
+targets, per step), and ``goodput-one-class`` runs the goodput preset without
+the classes on the same fleet and requests (today's single-class policy),
+so ``class_goals`` can state the issue's goals: each targeted class's TPOT
+against its target (and the oracle's), weighted goodput against the class
+oracle's, the interactive TPOT p99 ratio and the total goodput lost against
+the one-class run. ``policies-classes-<scenario>.png`` plots each class's
+TPOT over time beside the draft nodes and depth its requests were given.
+
 Preset settings per scenario. A scenario's ``preset_config`` (see
 :mod:`worker.sim.scenario`) lays fields over a preset file's for that
 scenario's runs only — e.g. threshold-cliff runs ``vllm-batch-table`` with
@@ -98,10 +115,11 @@ import numpy as np
 
 from controller.config import ServerConfig, load_config
 from controller.core import Controller
+from policies.classes import ClassSet
 from policies.presets import list_presets, load_preset
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import plan_pb2, worker_pb2
-from worker.sdk.agent import AgentOptions, compile_plan, step_to_proto
+from worker.sdk.agent import AgentOptions, CompiledPlan, compile_classes, compile_plan, step_to_proto
 from worker.sim.hello import hello_proto
 from worker.sim.measured import MEASURED_HARDWARE
 from worker.sim.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, shipped_scenarios
@@ -128,6 +146,7 @@ GOAL_TAGS = {
 BEAT_STATIC_TAGS = ("shift", "drift", "bursty", "mixed")
 CLIFF_RIVALS = ("vllm-batch-table", "trtllm-concurrency")
 PRODUCT = "goodput"
+ONE_CLASS_SUFFIX = "-one-class"  # the product without the scenario's request classes
 
 
 # ----------------------------------------------------------------- scenarios
@@ -253,15 +272,26 @@ def drive(
 
 
 class Series:
-    """Per time bin, fleet-wide: tokens, busy time, request-steps, depth used, τ."""
+    """Per time bin, fleet-wide: tokens, busy time, request-steps, depth used, τ.
+
+    With request classes (``classes``), per class and bin as well: its
+    tokens, its request-steps' step time (so ms per token in the batch), the
+    depth and draft nodes its requests were given (the plan as it reached
+    them), and the TPOT of its requests that finished in the bin.
+    """
 
     FIELDS = ("tokens", "busy_s", "request_steps", "depth_sum", "spec_steps", "accepted", "batch_sum", "steps",
               "request_s", "finished_accepted", "finished_steps")
+    CLASS_FIELDS = ("tokens", "request_s", "request_steps", "depth_sum", "nodes_sum")
 
-    def __init__(self, duration_s: float, bins: int = SERIES_BINS) -> None:
+    def __init__(self, duration_s: float, bins: int = SERIES_BINS, classes: ClassSet | None = None) -> None:
         self.bin_s = duration_s / bins
         self.data = np.zeros((len(self.FIELDS), bins))
         self.bins = bins
+        self.classes = classes
+        if classes is not None:
+            self.class_data = np.zeros((len(self.CLASS_FIELDS), len(classes), bins))
+            self.class_tpot: list[list[list[float]]] = [[[] for _ in range(bins)] for _ in classes]
 
     def add(self, result: StepResult) -> None:
         t = result.telemetry
@@ -280,6 +310,17 @@ class Series:
         for f in result.finished:  # what an acceptance gate averages: accepted per step of finished requests
             col[9] += f.accepted_tokens
             col[10] += f.steps
+        if self.classes is not None and result.request_classes:
+            cs, cd = self.classes, self.class_data
+            for r, name, emitted in zip(t.requests, result.request_classes, result.request_tokens):
+                k = cs.index(name)
+                cd[0, k, b] += emitted
+                cd[1, k, b] += result.duration_s
+                cd[2, k, b] += 1
+                cd[3, k, b] += r.depth
+                cd[4, k, b] += r.nodes
+            for rec in result.records:
+                self.class_tpot[cs.index(rec.request_class)][b].append(rec.tpot_ms)
 
     def request_tok_s(self) -> float:
         """Σ tokens / Σ (batch size × step time): each request's decode speed, token-weighted."""
@@ -300,7 +341,97 @@ class Series:
                 "finished_accepted_per_step": np.where(d["finished_steps"] > 0,
                                                        d["finished_accepted"] / d["finished_steps"], np.nan).tolist(),
             }
-        return {k: [None if (isinstance(x, float) and math.isnan(x)) else round(x, 4) for x in v] for k, v in out.items()}
+        clean = {k: _clean(v) for k, v in out.items()}
+        if self.classes is not None:
+            clean["classes"] = self.export_classes()
+        return clean
+
+    def export_classes(self) -> dict[str, dict[str, list]]:
+        """Per class: ``tpot_ms`` (ms per token in the batch, the bin's request-steps), ``tpot_ms_p50`` /
+        ``tpot_ms_p99`` (over the requests that finished in the bin), ``mean_depth`` / ``mean_nodes``
+        (what its requests were given), ``goodput_tok_s`` (its tokens per busy second)."""
+        busy = self.data[self.FIELDS.index("busy_s")]
+        out = {}
+        for k, c in enumerate(self.classes):
+            tok, req_s, steps, depth, nodes = self.class_data[:, k]
+            done = self.class_tpot[k]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                out[c.name] = {
+                    "tpot_ms": _clean(np.where(tok > 0, 1e3 * req_s / tok, np.nan)),
+                    "tpot_ms_p50": _clean([np.quantile(v, 0.5) if v else np.nan for v in done]),
+                    "tpot_ms_p99": _clean([np.quantile(v, 0.99) if v else np.nan for v in done]),
+                    "finished": [len(v) for v in done],
+                    "mean_depth": _clean(np.where(steps > 0, depth / steps, np.nan)),
+                    "mean_nodes": _clean(np.where(steps > 0, nodes / steps, np.nan)),
+                    "goodput_tok_s": _clean(np.where(busy > 0, tok / busy, np.nan)),
+                }
+        return out
+
+    def bins_met_share(self) -> dict[str, float | None]:
+        """Per class with a TPOT target: the share of bins, among those where some of its requests
+        finished, whose finished requests' TPOT quantile (the target's) met the target."""
+        out: dict[str, float | None] = {}
+        for k, c in enumerate(self.classes):
+            if not c.has_target:
+                continue
+            q = 0.5 if c.tpot_quantile == "p50" else 0.99
+            met = [float(np.quantile(v, q)) <= c.tpot_target_ms for v in self.class_tpot[k] if v]
+            out[c.name] = round(sum(met) / len(met), 4) if met else None
+        return out
+
+
+def _clean(values) -> list:
+    """Floats rounded for JSON, NaN as None."""
+    return [None if (isinstance(x, float) and math.isnan(x)) else round(float(x), 4) for x in np.asarray(values, float)]
+
+
+def class_metrics(workers: Sequence[SimWorker], classes: ClassSet) -> dict[str, Any]:
+    """Per request class, fleet-wide, and the weighted goodput.
+
+    ``per_class[NAME]``: ``tpot_ms_p50`` / ``tpot_ms_p99`` / ``tpot_ms_mean``
+    over its finished requests (each request's time in the batch over the
+    tokens it emitted, :attr:`worker.sim.worker.RequestRecord.tpot_ms`),
+    ``tpot_target_ms`` and ``tpot_quantile`` (the policy file's), ``target_met``
+    (that quantile at or under the target) and ``target_met_share`` (the share
+    of its finished requests at or under it), ``goodput_tok_s`` (its tokens per
+    second of fleet step time: the classes' sum is ``goodput_tok_s``), its
+    ``weight``, ``tokens`` and ``finished``. A request without a class, or with
+    one the classes do not list, counts in the default class.
+    ``weighted_goodput_tok_s``: ``Σ_c weight_c · tokens_c`` per busy second.
+    """
+    busy = sum(w.stats.busy_s for w in workers)
+    tokens = dict.fromkeys(classes.names, 0)
+    tpots: dict[str, list[float]] = {n: [] for n in classes.names}
+    for w in workers:
+        for name, n in w.stats.class_tokens.items():
+            tokens[classes.get(name).name] += n
+        # A worker whose traffic has no class_mix counts no class tokens: all its tokens are the default class's.
+        tokens[classes.default] += w.stats.tokens - sum(w.stats.class_tokens.values())
+        for r in w.stats.finished:
+            tpots[classes.get(r.request_class).name].append(r.tpot_ms)
+    per_class: dict[str, dict] = {}
+    for c in classes:
+        v = np.array(tpots[c.name])
+        quantile = {"p50": 0.5, "p99": 0.99}[c.tpot_quantile]
+        entry: dict[str, Any] = {
+            "weight": c.weight,
+            "tpot_target_ms": c.tpot_target_ms,
+            "tpot_quantile": c.tpot_quantile if c.has_target else None,
+            "tpot_ms_p50": round(float(np.quantile(v, 0.5)), 4) if v.size else None,
+            "tpot_ms_p99": round(float(np.quantile(v, 0.99)), 4) if v.size else None,
+            "tpot_ms_mean": round(float(v.mean()), 4) if v.size else None,
+            "target_met": None,
+            "target_met_share": None,
+            "goodput_tok_s": round(tokens[c.name] / busy, 3) if busy else 0.0,
+            "tokens": tokens[c.name],
+            "finished": int(v.size),
+        }
+        if c.has_target and v.size:
+            entry["target_met"] = bool(np.quantile(v, quantile) <= c.tpot_target_ms)
+            entry["target_met_share"] = round(float((v <= c.tpot_target_ms).mean()), 4)
+        per_class[c.name] = entry
+    weighted = sum(c.weight * tokens[c.name] for c in classes)
+    return {"weighted_goodput_tok_s": round(weighted / busy, 3) if busy else 0.0, "per_class": per_class}
 
 
 def fleet_metrics(workers: Sequence[SimWorker]) -> dict[str, Any]:
@@ -341,7 +472,15 @@ class WorkerLink:
     most ``max_steps_per_message`` steps) with the finished requests after it;
     plans applied as compiled tables, per-request overrides, ACK or NACK — every
     message delivered ``delay_steps`` of this worker's steps after the
-    controller produced it."""
+    controller produced it.
+
+    Request classes: each request-step's class goes out in
+    ``RequestStep.request_class``; a plan's ``classes`` (``ClassPlan``) are
+    compiled as the agent compiles them (:func:`worker.sdk.agent.compile_classes`)
+    and :meth:`decide` looks a request up in its class's table, the
+    ``default_class``'s for a request without a class or with a name the plan
+    does not list (counted in :attr:`unknown_classes`, never refused). A plan
+    without classes gives every request its one table."""
 
     def __init__(self, worker: SimWorker, controller: Controller, delay_steps: int, fallback: Decision,
                  options: AgentOptions = AgentOptions(), calibration: Sequence = ()) -> None:
@@ -352,6 +491,8 @@ class WorkerLink:
         self.delay_steps = delay_steps
         self.options = options
         self.table = DecisionTable.uniform(fallback, (1,), (0,))
+        self.plan = CompiledPlan.single(self.table)  # with the plan's class tables, as the agent holds it
+        self.unknown_classes = 0  # decisions asked for a class the plan does not list
         self.overrides: dict[str, Decision] = {}
         self.version = 0
         self.steps = 0
@@ -363,15 +504,22 @@ class WorkerLink:
         self.nacks = 0
         self.rejections = 0
 
-    def decide(self, request_id: str, context_len: int, batch_size: int) -> Decision:
+    def decide(self, request_id: str, context_len: int, batch_size: int, request_class: str = "") -> Decision:
         override = self.overrides.get(request_id)
         if override is not None:
             return override
-        return self.table.lookup(batch_size, context_len)
+        plan = self.plan  # SpeculationAgent.decide's lookup
+        if request_class and plan.tables:
+            table = plan.tables.get(request_class)
+            if table is None:
+                self.unknown_classes += 1
+                table = plan.default_table
+            return table.lookup(batch_size, context_len)
+        return plan.default_table.lookup(batch_size, context_len)
 
     def after_step(self, result: StepResult) -> None:
         self.steps += 1
-        self.unsent.append(step_to_proto(result.telemetry))
+        self.unsent.append(step_to_proto(result.telemetry))  # RequestStep.request_class from the telemetry
         self.unsent_finished.extend(result.finished)
         for s in result.finished:
             self.overrides.pop(s.request_id, None)
@@ -400,7 +548,9 @@ class WorkerLink:
         ctl, state = self.controller, self.state
         try:
             if isinstance(item, plan_pb2.Plan):
-                self.table = compile_plan(item, self.hello, self.version)
+                table = compile_plan(item, self.hello, self.version)
+                self.plan = compile_classes(item, self.hello, table)
+                self.table = table
                 self.version = item.version
                 self.plans_applied += 1
             else:
@@ -445,8 +595,11 @@ class Job:
 
     ``kind``: ``preset`` (arg: preset name), ``oracle`` (arg: the static grid
     it weighs too, or ``None`` for its default), ``static`` (arg:
-    (depth, width), full length) or ``scout`` (arg: (depth, width), on the
-    scenario at :data:`SCOUT_TIME_SCALE` — the first phase of the grid).
+    (depth, width), full length), ``scout`` (arg: (depth, width), on the
+    scenario at :data:`SCOUT_TIME_SCALE` — the first phase of the grid) or
+    ``one_class`` (arg: preset name; a scenario with request classes only: the
+    preset without the scenario's ``classes``, today's single-class policy on
+    the same fleet and the same classed requests).
     """
 
     scenario: str
@@ -460,12 +613,14 @@ class Job:
     def label(self) -> str:
         if self.kind in ("static", "scout"):
             return f"{self.kind} d={self.arg[0]} w={self.arg[1]}"
+        if self.kind == "one_class":
+            return f"{self.arg}{ONE_CLASS_SUFFIX}"
         return str(self.arg) if self.kind == "preset" else self.kind
 
     def cost_estimate(self) -> float:
         d = self.data
         workers = sum(w.get("count", 1) for w in d["workers"])
-        factor = {"preset": 2.0, "oracle": 3.0}.get(self.kind, 1.0)
+        factor = {"preset": 2.0, "one_class": 2.0, "oracle": 8.0 if d.get("classes") else 3.0}.get(self.kind, 1.0)
         return d["duration_s"] * workers * factor
 
 
@@ -478,7 +633,8 @@ def run_job(job: Job) -> dict[str, Any]:
     started = time.perf_counter()
     scenario: Scenario = scenario_from_dict(job.data, job.scenario)
     workers = SimWorker.fleet(scenario)
-    series = Series(scenario.duration_s)
+    classes = scenario.class_set() if scenario.classes is not None else None  # per-class metrics when declared
+    series = Series(scenario.duration_s, classes=classes)
     extra: dict[str, Any] = {}
 
     def record(i: int, result: StepResult) -> None:
@@ -486,12 +642,16 @@ def run_job(job: Job) -> dict[str, Any]:
 
     if job.kind in ("static", "scout"):
         decision = static_decision(*job.arg)
-        drive(workers, [lambda rid, ctx, b: decision] * len(workers), scenario.duration_s, after=record)
+        drive(workers, [lambda rid, ctx, b, request_class="": decision] * len(workers), scenario.duration_s,
+              after=record)
         extra["config"] = {"depth": decision.depth, "width": decision.width, "max_nodes": decision.max_nodes}
     elif job.kind == "oracle":
-        from bench.oracle import OracleDecider
+        from bench.oracle import ClassOracleDecider, OracleDecider
 
-        oracles = [OracleDecider(w, job.arg) for w in workers]
+        if classes is None:
+            oracles = [OracleDecider(w, job.arg) for w in workers]
+        else:  # weighted goodput under the classes' TPOT targets (the single-class oracle without classes)
+            oracles = [ClassOracleDecider(w, classes, job.arg) for w in workers]
         alpha = np.zeros((2, series.bins))
 
         def before(i: int, now: float) -> None:
@@ -507,9 +667,16 @@ def run_job(job: Job) -> dict[str, Any]:
 
         drive(workers, oracles, scenario.duration_s, before=before, after=after)
         extra["true_alpha1"] = [None if not n else round(float(s / n), 4) for s, n in alpha.T]
-    elif job.kind == "preset":
+        if classes is not None:
+            steps = sum(o.steps for o in oracles)
+            extra["oracle_feasible_share"] = round(sum(o.steps_feasible for o in oracles) / steps, 4) if steps else None
+    elif job.kind in ("preset", "one_class"):
         config = ServerConfig.model_validate(job.config) if job.config else ServerConfig()
-        overrides = scenario.preset_config.get(job.arg)  # the scenario's settings for this preset, if any
+        if job.kind == "preset":  # the scenario's settings for this preset (and its classes), if any
+            overrides = scenario.preset_fields(job.arg)
+        else:  # the same preset settings without request classes
+            overrides = {k: v for k, v in (scenario.preset_config.get(job.arg) or {}).items()
+                         if k not in ("classes", "default_class")} or None
         policy = load_preset(job.arg, overrides, f"{job.scenario}: preset_config.{job.arg}")
         fleet = ControlledFleet(workers, policy, config, job.delay_steps)
 
@@ -523,10 +690,17 @@ def run_job(job: Job) -> dict[str, Any]:
             "nacks": sum(link.nacks for link in fleet.links),
             "rejections": sum(link.rejections for link in fleet.links),
         }
+        if classes is not None:
+            extra["controller"]["class_tables"] = any(link.plan.tables for link in fleet.links)
+            extra["controller"]["unknown_classes"] = sum(link.unknown_classes for link in fleet.links)
     else:
         raise ValueError(f"unknown job kind {job.kind!r}")
     out = fleet_metrics(workers)
     out["request_tok_s"] = round(series.request_tok_s(), 3)
+    if classes is not None:
+        out.update(class_metrics(workers, classes))
+        for name, share in series.bins_met_share().items():
+            out["per_class"][name]["bins_met_share"] = share
     out.update(extra)
     out["series"] = series.export() if job.kind != "scout" else None
     out["wall_s"] = round(time.perf_counter() - started, 3)
@@ -550,8 +724,15 @@ class ScenarioPlan:
     finals: list[tuple[int, int]] = field(default_factory=list)
     scout_results: dict = field(default_factory=dict)
 
+    @property
+    def one_class(self) -> bool:
+        """Whether the product also runs without the scenario's classes (a scenario with classes)."""
+        return bool(self.data.get("classes")) and PRODUCT in self.presets
+
     def first_jobs(self) -> list[Job]:
         jobs = [Job(self.name, "preset", p, self.data, self.delay_steps, self.config) for p in self.presets]
+        if self.one_class:
+            jobs.append(Job(self.name, "one_class", PRODUCT, self.data, self.delay_steps, self.config))
         # The oracle weighs this scenario's static grid and the full one too, so it stays the
         # ceiling over best_static and over the static preset.
         statics = tuple(dict.fromkeys([*self.grid, *grid_points(self.data, None, GRID_WIDTHS)]))
@@ -565,7 +746,8 @@ class ScenarioPlan:
         return jobs
 
     def expected_runs(self) -> int:
-        return len(self.presets) + 1 + len(self.grid) + (self.finalists + 1 if self.scout else 0)
+        return (len(self.presets) + 1 + len(self.grid) + (self.finalists + 1 if self.scout else 0)
+                + int(self.one_class))
 
     def on_done(self, job: Job, result: dict) -> list[Job]:
         """Second phase: once every scout is in, the best by goodput (and the best by
@@ -604,7 +786,7 @@ def summarise(plan: ScenarioPlan, results: dict[Job, dict]) -> tuple[dict, dict]
         if job.kind == "static":
             statics.append((job, r))
             continue
-        key = job.arg if job.kind == "preset" else job.kind
+        key = job.arg if job.kind == "preset" else job.label if job.kind == "one_class" else job.kind
         entry = {k: v for k, v in r.items() if k not in ("series", "true_alpha1")}
         policies[key] = entry
         series[key] = dict(r["series"])
@@ -638,6 +820,8 @@ def summarise(plan: ScenarioPlan, results: dict[Job, dict]) -> tuple[dict, dict]
         entry["vs_best_static"] = _ratio(entry["goodput_tok_s"], static.get("goodput_tok_s"))
         entry["request_vs_oracle"] = _ratio(entry["request_tok_s"], oracle.get("request_tok_s"))
         entry["request_vs_best_static"] = _ratio(entry["request_tok_s"], best_speed)
+        if "weighted_goodput_tok_s" in entry:
+            entry["weighted_vs_oracle"] = _ratio(entry["weighted_goodput_tok_s"], oracle.get("weighted_goodput_tok_s"))
     ordered = dict(sorted(policies.items(), key=lambda kv: (kv[0] in REFERENCES, kv[0] != PRODUCT, kv[0])))
     entry = {
         "duration_s": plan.data["duration_s"],
@@ -651,6 +835,10 @@ def summarise(plan: ScenarioPlan, results: dict[Job, dict]) -> tuple[dict, dict]
     }
     entry["goals"] = scenario_goals(plan.name, ordered, "goodput_tok_s")
     entry["goals_request_tok_s"] = scenario_goals(plan.name, ordered, "request_tok_s")
+    if plan.data.get("classes"):
+        entry["classes"] = plan.data["classes"]
+        entry["default_class"] = plan.data.get("default_class")
+        entry["class_goals"] = class_goals(ordered)
     return entry, series
 
 
@@ -682,7 +870,8 @@ def scenario_goals(name: str, policies: dict[str, dict], metric: str = "goodput_
     if oracle and oracle[metric]:
         ratio = g / oracle[metric]
         goals["vs_oracle>=0.95"] = {"value": round(ratio, 4), "met": ratio >= 0.95}
-    baselines = {k: v[metric] for k, v in policies.items() if k not in REFERENCES and k != PRODUCT}
+    baselines = {k: v[metric] for k, v in policies.items()
+                 if k not in REFERENCES and k != PRODUCT and not k.endswith(ONE_CLASS_SUFFIX)}
     if baselines:
         best_name = max(baselines, key=baselines.get)
         goal("vs_best_baseline>=0.98", baselines[best_name], 0.98, baseline=best_name)
@@ -695,6 +884,56 @@ def scenario_goals(name: str, policies: dict[str, dict], metric: str = "goodput_
         for rival in CLIFF_RIVALS:
             if rival in policies and policies[rival][metric]:
                 goal(f"vs_{rival}>=1.3", policies[rival][metric], 1.3)
+    return goals
+
+
+def class_goals(policies: dict[str, dict]) -> dict[str, Any]:
+    """The issue's request-class goals (#29) for the product on a scenario with classes.
+
+    - ``NAME tpot <= target``, per class with a target: the product's TPOT
+      quantile against it, with the oracle's (what the per-class oracle
+      reached) and the one-class run's;
+    - ``weighted_vs_oracle>=0.95``: weighted goodput against the class oracle's;
+    - ``NAME tpot_p99 one-class/classes>=1.3``, per class with a target: how
+      much lower its TPOT p99 is than under the same policy without classes;
+    - ``goodput_loss_vs_one_class<=0.10``: total goodput lost to the classes.
+    """
+    product = policies.get(PRODUCT)
+    if product is None or "per_class" not in product:
+        return {}
+    oracle = policies.get("oracle")
+    single = policies.get(f"{PRODUCT}{ONE_CLASS_SUFFIX}")
+    goals: dict[str, Any] = {}
+    for name, c in product["per_class"].items():
+        if c["tpot_target_ms"] is None:
+            continue
+        key = f"tpot_{c['tpot_quantile']}"
+        value = c[f"tpot_ms_{c['tpot_quantile']}"]
+        g = {"value": value, "target": c["tpot_target_ms"], "met": c["target_met"],
+             "target_met_share": c["target_met_share"], "bins_met_share": c.get("bins_met_share")}
+        if oracle is not None:
+            o = oracle["per_class"][name]
+            g.update(oracle=o[f"tpot_ms_{c['tpot_quantile']}"], oracle_met=o["target_met"],
+                     oracle_bins_met_share=o.get("bins_met_share"))
+        if single is not None:
+            g["one_class"] = single["per_class"][name][f"tpot_ms_{c['tpot_quantile']}"]
+        goals[f"{name} {key}<=target"] = g
+    if oracle is not None and oracle.get("weighted_goodput_tok_s"):
+        ratio = product["weighted_goodput_tok_s"] / oracle["weighted_goodput_tok_s"]
+        goals["weighted_vs_oracle>=0.95"] = {"value": round(ratio, 4), "met": ratio >= 0.95}
+    if single is not None:
+        for name, c in product["per_class"].items():
+            base = single["per_class"][name]["tpot_ms_p99"]
+            if c["tpot_target_ms"] is None or not c["tpot_ms_p99"] or base is None:
+                continue
+            ratio = base / c["tpot_ms_p99"]
+            goals[f"{name} tpot_p99 one-class/classes>=1.3"] = {
+                "value": round(ratio, 4), "met": ratio >= 1.3, "one_class": base, "classes": c["tpot_ms_p99"]}
+        if single["goodput_tok_s"]:
+            loss = 1.0 - product["goodput_tok_s"] / single["goodput_tok_s"]
+            goals["goodput_loss_vs_one_class<=0.10"] = {
+                "value": round(loss, 4), "met": loss <= 0.10, "one_class": single["goodput_tok_s"],
+                "classes": product["goodput_tok_s"]}
     return goals
 
 
@@ -861,8 +1100,14 @@ def run_policy_bench(
             if entry["has_changes"]:
                 plot_series(name, all_series[name], entry, out / f"policies-series-{name}.png",
                             gate_settings(presets, entry["preset_config"].get("trtllm-gate")))
+            if "class_goals" in entry:
+                from bench.plots import plot_classes
+
+                plot_classes(name, all_series[name], entry, out / f"policies-classes-{name}.png")
     console.print(results_table(report))
     console.print(goals_table(report))
+    if any("class_goals" in e for e in report["scenarios"].values()):
+        console.print(class_goals_table(report))
     console.print(f"wrote {out / 'policies.json'} in {report['meta']['runtime_s']:.1f} s")
     return report
 
@@ -884,6 +1129,14 @@ DEFINITIONS = {
     "mean_accepted": "mean τ (accepted draft tokens, bonus excluded) per speculating request-step",
     "spec_fraction": "share of request-steps that speculated",
     "vs_oracle / vs_best_static": "goodput ratios; request_vs_*: the same on request_tok_s",
+    "per_class (scenarios with classes)": "per request class: tpot_ms_p50/p99 over its finished requests (time in "
+                                          "the batch over tokens emitted), its target and whether that quantile met "
+                                          "it, target_met_share (its requests at or under the target), "
+                                          "bins_met_share (time bins whose finished requests met it), goodput_tok_s "
+                                          "(its tokens per fleet busy second)",
+    "weighted_goodput_tok_s": "Σ_c weight_c · tokens_c / Σ busy seconds; weighted_vs_oracle: against the class "
+                              "oracle's (weighted goodput under the TPOT targets, per step)",
+    "goodput-one-class": "the goodput preset without the scenario's classes, on the same fleet and requests",
 }
 
 
@@ -917,6 +1170,22 @@ def results_table(report: dict):
                 cell += f"\nd={c['depth']} w={c['width']}"
             row.append(cell)
         table.add_row(*row, style="bold" if p == PRODUCT else None)
+    return table
+
+
+def class_goals_table(report: dict):
+    """The request-class goals (issue #29) of every scenario with classes, and each policy's per-class TPOT."""
+    from rich.table import Table
+
+    table = Table(title=f"Request classes: '{PRODUCT}' against its targets, the class oracle and itself without "
+                        "classes")
+    for col in ("scenario", "goal", "value", "met", "reference"):
+        table.add_column(col)
+    for name, entry in report["scenarios"].items():
+        for goal, g in entry.get("class_goals", {}).items():
+            ref = ", ".join(f"{k} {v}" for k, v in g.items() if k not in ("value", "met"))
+            met = g.get("met")
+            table.add_row(name, goal, f"{g['value']}", "-" if met is None else "yes" if met else "[red]NO[/]", ref)
     return table
 
 

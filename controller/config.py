@@ -13,6 +13,7 @@ from typing import Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from controller.fleet.settings import StateSettings, redact_url
 from controller.observe.http import parse_host_port
 from policies.table import DEFAULT_BATCH_EDGES, DEFAULT_CONTEXT_EDGES, validate_edges
 
@@ -26,9 +27,22 @@ def describe_validation_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         field = ".".join(str(x) for x in e["loc"]) or "<root>"
         # A value under security.auth may be a token pasted where its digest belongs: never echo it.
-        value = "<redacted>" if tuple(e["loc"][:2]) == ("security", "auth") else repr(e.get("input"))
+        value = "<redacted>" if tuple(e["loc"][:2]) == ("security", "auth") else repr(_without_password(e.get("input")))
         parts.append(f"{field}={value}: {e['msg']}")
     return f"{source}: " + "; ".join(parts)
+
+
+def _without_password(value):
+    """``value`` with the password of any URL in it masked (``state.url`` may carry one).
+
+    >>> _without_password({"backend": "redis", "url": "redis://u:secret@h:6379/0"})
+    {'backend': 'redis', 'url': 'redis://u:***@h:6379/0'}
+    """
+    if isinstance(value, str):
+        return redact_url(value)
+    if isinstance(value, dict):
+        return {k: _without_password(v) for k, v in value.items()}
+    return value
 
 
 class AcceptanceSettings(BaseModel):
@@ -320,6 +334,8 @@ class ServerConfig(BaseModel):
     drift: DriftSettings = DriftSettings()
     store: StoreSettings = Field(default_factory=StoreSettings)
     alerts: AlertSettings = AlertSettings()
+    # Shared state of several replicas (Redis); the default, embedded, shares nothing and starts nothing.
+    state: StateSettings = StateSettings()
 
     @field_validator("metrics_listen")
     @classmethod

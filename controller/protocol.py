@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
-from policies.base import DrafterLimits
+from policies.base import DrafterLimits, PlanDraft
+from policies.classes import ClassSet
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import plan_pb2, worker_pb2
 
@@ -28,6 +29,9 @@ MAX_BATCH_SIZE = 1 << 16
 MAX_BATCH_TOKENS = 1 << 20  # tokens one forward computes
 MAX_STEP_MS = 3.6e6  # one hour
 MAX_CALIBRATION = 256  # calibration samples in a Hello
+TYPICAL = plan_pb2.ACCEPTANCE_RULE_TYPICAL
+# RequestStep.acceptance_rule values a worker may report (UNSPECIFIED = strict).
+ACCEPTANCE_RULES = frozenset(plan_pb2.AcceptanceRule.values())
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
     if not (requested == 0 or depth <= requested <= limits.max_depth):
         raise _bad(path, "requested_depth", f"{requested} must be 0 or in depth ({depth})..{limits.max_depth} "
                    "(drafter max_depth)", step_id)
+    if r.acceptance_rule not in ACCEPTANCE_RULES:
+        raise _bad(path, "acceptance_rule", f"{r.acceptance_rule} is not a known AcceptanceRule", step_id)
     caught = r.caught_up_tokens
     if not 0 <= caught <= r.context_len:
         raise _bad(path, "caught_up_tokens", f"{caught} must be in 0..context_len ({r.context_len})", step_id)
@@ -195,6 +201,8 @@ class RequestRow(NamedTuple):
     requested_width: int
     requested_nodes: int
     caught_up_tokens: int
+    request_class: str = ""  # as reported (empty: the default class)
+    acceptance_rule: int = 0  # AcceptanceRule the step verified this request with (0 = strict)
 
 
 def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
@@ -229,6 +237,7 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
         rid, ctx, depth, width, nodes, accepted = r.request_id, r.context_len, r.depth, r.width, r.nodes, r.accepted
         ranks, requested = r.accepted_rank, r.requested_depth
         requested_width, requested_nodes, caught = r.requested_width, r.requested_nodes, r.caught_up_tokens
+        request_class, rule = r.request_class, r.acceptance_rule
         # Fast path for the common shapes (off, or a chain with the τ shorthand);
         # anything else gets the full field-by-field check and its message.
         if rid and 0 <= ctx <= MAX_CONTEXT_LEN and 0 <= accepted <= depth <= max_depth and not ranks and (
@@ -237,17 +246,17 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
             (requested == 0 and requested_width == 0 and requested_nodes == 0) or (
                 depth <= requested <= max_depth and (requested_width == 0 or 1 <= requested_width <= max_width)
                 and (requested_nodes == 0 or max(nodes, 1) <= requested_nodes <= max_nodes))
-        ) and (caught == 0 or (requested and 0 < caught <= ctx)):
+        ) and (caught == 0 or (requested and 0 < caught <= ctx)) and 0 <= rule <= TYPICAL:
             rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
-                                   requested_nodes, caught))
+                                   requested_nodes, caught, request_class, rule))
             continue
         validate_request_step(r, limits, f"{path}.requests[{i}]", sid)
         if depth and ranks:
             rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates),
-                                   requested, requested_width, requested_nodes, caught))
+                                   requested, requested_width, requested_nodes, caught, request_class, rule))
         else:
             rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
-                                   requested_nodes, caught))
+                                   requested_nodes, caught, request_class, rule))
     if len(rows) > 1 and len({row.request_id for row in rows}) < len(rows):
         seen: set[str] = set()
         for j, row in enumerate(rows):
@@ -272,8 +281,39 @@ def decision_to_proto(d: Decision) -> plan_pb2.Decision:
     return plan_pb2.Decision(depth=d.depth, width=d.width, max_nodes=d.max_nodes)
 
 
+ACCEPTANCE_RULE_OF = {"strict": plan_pb2.ACCEPTANCE_RULE_STRICT, "typical": plan_pb2.ACCEPTANCE_RULE_TYPICAL}
+
+
+def class_plans(classes: ClassSet, draft: PlanDraft) -> list[plan_pb2.ClassPlan]:
+    """``Plan.classes`` of ``draft`` under ``classes``: empty for a single class
+    (a plan without classes is byte-identical to one made before classes existed).
+
+    A class whose table is the plan's own table goes out with an empty
+    ``table`` (the proto's "empty = Plan.table"): a policy that treats every
+    class alike sends its table once.
+    """
+    if classes.single:
+        return []
+    out = []
+    for c in classes:
+        table = draft.table_for(c.name)
+        if (table.batch_edges, table.context_edges) != (draft.table.batch_edges, draft.table.context_edges):
+            raise ValueError(f"class {c.name!r}: its table's edges differ from the plan table's")
+        typical = c.acceptance == "typical"
+        out.append(plan_pb2.ClassPlan(
+            name=c.name,
+            table=[] if table == draft.table else [decision_to_proto(d) for d in table.decisions],
+            acceptance_rule=ACCEPTANCE_RULE_OF[c.acceptance],
+            typical_epsilon=c.typical_epsilon if typical else 0.0,
+            typical_delta=c.typical_delta if typical else 0.0,
+        ))
+    return out
+
+
 def plan_to_proto(table: DecisionTable, version: int, nonce: str, policy: str, created_at: float,
-                  expected_goodput: float) -> plan_pb2.Plan:
+                  expected_goodput: float, classes: Sequence[plan_pb2.ClassPlan] = (),
+                  default_class: str = "") -> plan_pb2.Plan:
+    """A Plan message; ``classes`` / ``default_class`` as :func:`class_plans` makes them (none: one class)."""
     return plan_pb2.Plan(
         version=version,
         nonce=nonce,
@@ -283,4 +323,6 @@ def plan_to_proto(table: DecisionTable, version: int, nonce: str, policy: str, c
         policy=policy,
         created_at=created_at,
         expected_goodput_tok_s=expected_goodput,
+        classes=classes,
+        default_class=default_class if classes else "",
     )

@@ -3,6 +3,10 @@
 Health checking and server reflection (v1 and v1alpha) are on; the policy file is watched
 and reloaded on change or SIGHUP. The drift monitor runs in the housekeeping
 tick (``controller.alerts.alerting``); SIGTERM stops gracefully, saving its baselines.
+
+With ``state: {backend: redis}`` the server is one replica of several that
+share what they learn (:class:`controller.fleet.replica.FleetReplica`, imported
+only then: without it no Redis client is loaded and nothing extra runs).
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,6 +35,9 @@ from controller.service import SERVICE_NAME, SpeculationControllerServicer, rpc_
 from controller.observe.web import StatusSite
 from policies.presets import load_preset
 
+if TYPE_CHECKING:
+    from controller.fleet.replica import FleetReplica
+
 log = logging.getLogger("specctl.server")
 
 
@@ -43,6 +52,7 @@ class RunningServer:
     recorder: TelemetryRecorder | None = None
     status_site: StatusSite | None = None  # /metrics and the status page (metrics_listen)
     alerting: DriftAlerting | None = None  # drift monitor, alert store and sinks (drift.enabled)
+    fleet: "FleetReplica | None" = None  # shared state of several replicas (state.backend: redis)
 
     @property
     def address(self) -> str:
@@ -56,8 +66,12 @@ class RunningServer:
         if self.alerting is not None:
             await self.alerting.finish_watches()  # they end cleanly now rather than hold the grace period
         await self.server.stop(grace)
+        if self.fleet is not None:
+            await self.fleet.quiesce()  # no fleet event reaches the alert store once it starts closing
         if self.alerting is not None:
             await self.alerting.close()
+        if self.fleet is not None:
+            await self.fleet.close()  # a last merge and alert flush, then out of the directory
         if self.recorder is not None:
             self.recorder.close()
 
@@ -76,6 +90,8 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
     # Made before any worker can connect, so it sees every Hello.
     site = StatusSite(controller, config.status_history_samples, alerting, config.status_sample_interval_s,
                       config.metrics_plan_cells) if config.metrics_listen else None
+    source = PolicySource(controller, config.policy)
+    servicer.policy_source = source
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((rpc_handlers(servicer),))
     health = HealthServicer()
@@ -90,14 +106,23 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
         port = server.add_insecure_port(listen or config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen or config.listen}")
-    if site is not None:
-        await site.start(config.metrics_listen)
-    await server.start()
-    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    source = PolicySource(controller, config.policy)
-    servicer.policy_source = source
+    fleet = None
+    if config.state.backend == "redis":
+        # Hooked in before the port serves, so that every Hello reaches the directory and the hold.
+        fleet = start_fleet(config, controller, source, alerting, _advertised(listen or config.listen, port))
+        servicer.fleet = fleet
+    try:
+        if site is not None:
+            site.fleet = fleet
+            await site.start(config.metrics_listen)
+        await server.start()
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    except BaseException:
+        if fleet is not None:  # its threads and connections must not outlive a server that did not start
+            await fleet.close(timeout_s=0.5)
+        raise
     running = RunningServer(server, controller, servicer, source, port, recorder=recorder, status_site=site,
-                            alerting=alerting)
+                            alerting=alerting, fleet=fleet)
     running.tasks.append(asyncio.create_task(_housekeeping(running, config.policy_poll_interval_s)))
     try:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, source.reload)
@@ -105,6 +130,26 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
         pass  # not the main thread (tests): polling still reloads
     log.info("serving %s on port %d with policy %s", SERVICE_NAME, port, policy.name)
     return running
+
+
+def start_fleet(config: ServerConfig, controller: Controller, source: PolicySource,
+                alerting: DriftAlerting | None, address: str) -> "FleetReplica":
+    """This server as one replica of a fleet sharing state in Redis (``state.backend: redis``)."""
+    try:
+        from controller.fleet.replica import FleetReplica
+    except ImportError as err:  # the redis client is in the controller extra
+        raise RuntimeError(f"state.backend: redis needs the redis package ({err}); "
+                           "pip install 'specctl[controller]'") from err
+    return FleetReplica(config.state, controller, address=address, policy_source=source,
+                        alerting=alerting).start()
+
+
+def _advertised(listen: str, port: int) -> str:
+    """Where workers reach this replica: the listen host (this host's name for a wildcard) and the port."""
+    host = listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
 
 
 def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
@@ -134,13 +179,17 @@ async def _housekeeping(running: RunningServer, poll_interval_s: float) -> None:
         running.servicer.send_receipts(running.controller.config.receipt_interval_s)
         if running.alerting is not None:
             running.alerting.tick(plan.tick_s)
+        if running.fleet is not None:
+            running.fleet.tick(plan.tick_s)
 
 
 async def serve_forever(config: ServerConfig, listen: str | None = None) -> None:
     running = await start_server(config, listen)
     print(f"specctl controller listening on {listen or config.listen} (policy {running.controller.policy.name})"
           + (f", recording telemetry to {config.record}" if config.record else "")
-          + (f", drift alerts stored in {config.store.path or 'memory'}" if running.alerting else ""), flush=True)
+          + (f", drift alerts stored in {config.store.path or 'memory'}" if running.alerting else "")
+          + (f", replica {running.fleet.replica_id} of fleet {config.state.fleet} sharing state in "
+             f"{running.fleet.store.health()['url']}" if running.fleet else ""), flush=True)
     if running.status_site is not None:
         host = config.metrics_listen.rpartition(":")[0] or "0.0.0.0"
         print(f"status page http://{host}:{running.status_site.http.port}/ (metrics at /metrics)", flush=True)

@@ -103,6 +103,7 @@ class SpeculationControllerServicer:
         self.recorder = None  # controller.observe.recorder.TelemetryRecorder when serving with --record
         self.alerting = None  # controller.alerts.alerting.DriftAlerting unless drift.enabled is false
         self.policy_source = None  # controller.reload.PolicySource of the server
+        self.fleet = None  # controller.fleet.replica.FleetReplica with state.backend: redis
         self._next_stream = 0
         controller.on_hello.append(self._rebind_stream)
 
@@ -263,11 +264,22 @@ class SpeculationControllerServicer:
         within ``budget_s`` of CPU so telemetry ingest is never starved: with
         many workers each one is simply re-planned less often. After each push
         the loop is yielded to, so the plan leaves now rather than after the
-        rest of the tick's policy runs."""
+        rest of the tick's policy runs.
+
+        Workers this controller has not sent a plan yet go first, outside the
+        rotation: a replica taking over a dead one's workers would otherwise
+        plan each newcomer in its turn among every re-plan, and with 200
+        workers on a budget of ~55 policy runs a second the last one would
+        wait ~4 s on its fallback."""
         streams = list(self.streams.values())
         if not streams:
             return
         start = time.perf_counter()
+        for stream in streams:
+            if stream.state.plans.current is None and self._push_plans(stream):
+                await asyncio.sleep(0)
+                if time.perf_counter() - start > budget_s:
+                    return
         first = self._next_stream % len(streams)
         for k in range(len(streams)):
             if self._push_plans(streams[(first + k) % len(streams)]):
@@ -319,9 +331,12 @@ class SpeculationControllerServicer:
             if self.recorder is not None:
                 self.recorder.steps(state.worker_id, request.reports)
             response.rejections.extend(ctl.ingest(state, request.reports))
+        if self.fleet is not None and state.plans.current is None:
+            await self.fleet.wait_first_plan(state)  # planned from the fleet's statistics (bounded wait)
+            state = ctl.workers.get(request.worker_id) or state
         ctl.plan_updates(state)  # a new table when one is due; a unary caller gets it in the answers below
         for q in request.queries:
-            d = ctl.decide(state, q.request_id, q.context_len, q.batch_size)
+            d = ctl.decide(state, q.request_id, q.context_len, q.batch_size, q.request_class)
             response.decisions.append(decision_to_proto(d))
         if session == controller_pb2.WORKER_SESSION_UNARY:
             for version in list(state.plans.pending):  # it has no stream to ACK on: answering from a plan applies it
@@ -333,7 +348,10 @@ class SpeculationControllerServicer:
     async def GetStatus(self, request, context: grpc.aio.ServicerContext) -> controller_pb2.GetStatusResponse:
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GetStatusRequest: {request.error}")
-        return self.controller.status(request.worker_id)
+        response = self.controller.status(request.worker_id)
+        if self.fleet is not None:
+            self.fleet.annotate(response, request.worker_id)
+        return response
 
     # -------------------------------------------------------------- alerts
     async def WatchAlerts(self, request, context: grpc.aio.ServicerContext):

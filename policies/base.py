@@ -17,6 +17,7 @@ from typing import Any, Callable, Generic, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 
+from policies.classes import SINGLE, ClassSet
 from policies.table import Decision, DecisionTable
 
 
@@ -45,6 +46,31 @@ class RequestOutcome:
     width: int
     nodes: int
     accepted: int
+    request_class: str = ""  # as reported (empty: the default class)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassLoad:
+    """One request class's recent traffic and latency on a worker (issue #29).
+
+    ``share``: its share of request-steps; ``context_share`` / ``context_mean``
+    as :class:`LoadProfile`'s, over its requests only. ``tpot_ms_p50`` /
+    ``tpot_ms_p99``: time per output token over its recent requests (each
+    request's step time over the tokens it emitted; 0 = not measured yet);
+    ``tokens_per_step``: its mean ``τ + 1``; ``tail_tokens_per_step``: the
+    same over its slowest requests (the 5 % with the highest TPOT, at least
+    one; 0 = not measured): a p99 target is their TPOT, and they are mostly
+    the requests the drafter follows worst.
+    """
+
+    share: float = 0.0
+    context_share: tuple[float, ...] = ()
+    context_mean: tuple[float, ...] = ()
+    tpot_ms_p50: float = 0.0
+    tpot_ms_p99: float = 0.0
+    tokens_per_step: float = 0.0
+    step_ms_mean: float = 0.0
+    tail_tokens_per_step: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +221,14 @@ class Observation:
     # The worker's forward pads every request's draft block to the largest
     # (``VERIFY_LAYOUT_PADDED``): it computes batch · (1 + max nodes) tokens.
     padded_verify: bool = False
+    # Request classes (the policy file's; one ``default`` class without them), each
+    # class's recent load keyed by name, and each active request's class.
+    classes: ClassSet = SINGLE
+    class_load: Mapping[str, ClassLoad] = field(default_factory=dict)
+    active_classes: Mapping[str, str] = field(default_factory=dict)  # request id -> class name
+    # Acceptance of the relaxed (typical) rule for classes that use it; None: not observed yet
+    # (such a class is valued with ``acceptance``, the strict rule's, a lower bound).
+    acceptance_typical: AcceptanceEstimate | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +240,12 @@ class PlanDraft:
     overrides: Mapping[str, Decision] = field(default_factory=dict)
     expected_goodput_tok_s: float = 0.0
     reasons: Mapping[str, str] = field(default_factory=dict)  # request_id -> why overridden
+    # Per request class (name -> table, same edges as ``table``); a class not listed
+    # uses ``table``. Empty for a policy that treats every class alike.
+    class_tables: Mapping[str, DecisionTable] = field(default_factory=dict)
+
+    def table_for(self, request_class: str) -> DecisionTable:
+        return self.class_tables.get(request_class, self.table)
 
 
 ConfigT = TypeVar("ConfigT")
@@ -218,6 +258,9 @@ class Policy(ABC, Generic[ConfigT]):
     # Model-based policies are judged by estimated goodput before a new plan
     # is pushed (hysteresis); rule-based ones push whenever their rule says.
     model_based: bool = False
+    # The policy file's request classes (set by the preset loader); a policy
+    # that ignores them gives every class its one table.
+    classes: ClassSet = SINGLE
     # Whether observations carry every request's outcome per step (rule-based
     # engines' policies read them; model-based ones read the fitted models).
     wants_request_outcomes: bool = True
@@ -260,6 +303,7 @@ def per_batch_plan(
 
 __all__: Sequence[str] = (
     "AcceptanceEstimate",
+    "ClassLoad",
     "CostEstimate",
     "Decision",
     "DecisionTable",

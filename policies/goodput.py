@@ -63,19 +63,34 @@ one RMSE where it has never run; which tree to draft is still chosen by the
 expected goodput, so caution does not pin a worker to the shapes it has
 already measured. Probes draw the shift from the normal distribution
 instead, so untried batch sizes still get measured.
+
+Request classes (``obs.classes``, issue #29): with several, every row is
+solved on one batch holding each class's share of the requests, in groups
+(class, context bucket) that share one step time, and the objective is the
+weighted goodput ``Σ_c weight_c · tokens_c / step_ms``: in the ranking a
+node of class ``c`` is worth ``weight_c · value``. A class with a TPOT
+target keeps ``step_ms / (1 + E[τ_c]) · κ_c`` under it (``κ_c``: its
+observed quantile over its mean TPOT): its weight is raised, a Lagrange
+multiplier found on a small grid, until the weighted optimum meets the
+target, so its nodes rank ahead of the best-effort classes' and theirs
+drop out first as verification gets dearer. A ``typical`` class is valued
+with the relaxed rule's acceptance once observed. The plan carries one
+table per class (``PlanDraft.class_tables``, the default class's as
+``table``). With one class nothing of this runs: the plan is the one above.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.base import Observation, PlanDraft, Policy
+from policies.base import AcceptanceEstimate, ClassLoad, Observation, PlanDraft, Policy
+from policies.classes import RequestClass
 from policies.table import Decision, DecisionTable, bucket_index
 from policies.tree import grow_best_first
 
@@ -283,6 +298,16 @@ def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray,
     in which group ``g`` drafts (its drafter's catch-up, spread over the
     steps it will draft for).
     """
+    step_ms = prefix_step_ms(counts, contexts, depths, taken, cost, offer, padded, caution, switch_ms)
+    return (float(counts.sum()) + gained) / np.maximum(step_ms, 1e-9) * 1000.0
+
+
+def prefix_step_ms(counts: np.ndarray, contexts: np.ndarray, depths: np.ndarray, taken: np.ndarray, cost,
+                   offer: np.ndarray | None = None, padded: bool = False, caution: float = 0.0,
+                   switch_ms: np.ndarray | None = None) -> np.ndarray:
+    """The step time (ms) :func:`prefix_goodput` divides by: one forward and the
+    draft levels of the whole batch, whatever each group gains from it (the
+    request classes' objective weighs the tokens, never the time)."""
     batch = float(counts.sum())
     offer = np.ones_like(counts) if offer is None else np.asarray(offer, dtype=np.float64)
     kv_per_group = counts * contexts
@@ -308,7 +333,7 @@ def prefix_goodput(counts: np.ndarray, contexts: np.ndarray, gained: np.ndarray,
         step_ms = step_ms + caution * some * cost.verify_sd_ms(tokens) * (np.asarray(tokens) > batch + 1e-9)
     if switch_ms is not None:
         step_ms = step_ms + (taken > 0) @ np.asarray(switch_ms, dtype=np.float64)
-    return (batch + gained) / np.maximum(step_ms, 1e-9) * 1000.0
+    return step_ms
 
 
 def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost, offer: np.ndarray | None = None,
@@ -347,20 +372,40 @@ class PrefixTable:
     The prefixes depend only on the lists; a batch (how many requests each
     group has, and their context) only prices them, so one table serves every
     batch size of a plan.
+
+    ``weights[g]``: what one of group ``g``'s tokens is worth (request
+    classes); the ranking is by ``weight · value``. Each list is still taken
+    as a prefix (a positive weight keeps its order), so every prefix is a
+    valid tree per request. Default: every token alike. ``whole_ties``:
+    no prefix ends inside a run of equal (weighted) values, so groups that
+    are alike (two classes of one weight valued with one acceptance) get
+    alike trees instead of one node more for whichever is listed first.
+
+    >>> a, b = best_first_nodes(np.array([[0.5]]), 1, 1, 1), best_first_nodes(np.array([[0.8]]), 1, 1, 1)
+    >>> PrefixTable([[a, b]]).taken.tolist(), PrefixTable([[a, b]], weights=[4.0, 1.0]).taken.tolist()
+    ([[0, 0], [0, 1], [1, 1]], [[0, 0], [1, 0], [1, 1]])
+    >>> PrefixTable([[a, a]]).taken.tolist(), PrefixTable([[a, a]], whole_ties=True).taken.tolist()
+    ([[0, 0], [1, 0], [1, 1]], [[0, 0], [1, 1]])
     """
 
-    def __init__(self, lists_by_cap: Sequence[Sequence[NodeList]]) -> None:
+    def __init__(self, lists_by_cap: Sequence[Sequence[NodeList]], weights: Sequence[float] | None = None,
+                 whole_ties: bool = False) -> None:
         n_groups = len(lists_by_cap[0])
         takens, caps, gains, depths = [], [], [], []
         group_ix = np.arange(n_groups)[None, :]
         for k, lists in enumerate(lists_by_cap):
             values = np.concatenate([nodes.values for nodes in lists])
             group_of = np.concatenate([np.full(len(nodes.values), g) for g, nodes in enumerate(lists)]).astype(np.int64)
+            if weights is not None:
+                values = values * np.asarray(weights, dtype=np.float64)[group_of]
             order = np.lexsort((np.arange(len(values)), -values))  # by value, stable within a group
             # taken[p, g]: nodes group g holds in prefix p.  # [candidates + 1, groups]
             onehot = np.zeros((len(order) + 1, n_groups), dtype=np.int64)
             onehot[np.arange(1, len(order) + 1), group_of[order]] = 1
             taken = np.cumsum(onehot, axis=0)
+            if whole_ties and len(order):
+                ranked = values[order]
+                taken = taken[np.r_[True, ranked[1:] != ranked[:-1], True]]  # prefix 0, tie ends, all
             longest = max(len(nodes.values) for nodes in lists)
             cumulative = np.zeros((n_groups, longest + 1))
             depth_of = np.zeros((n_groups, longest + 1), dtype=np.int64)
@@ -413,6 +458,23 @@ class PrefixTable:
         return int(self.cap_of[best]), Allocation(nodes, float(goodput[best]), off)
 
 
+def marginal_node_ms(cost, batch: float, counts: Sequence[float], contexts: Sequence[float],
+                     taken: Sequence[int]) -> float:
+    """What one more draft node costs a batch of groups (``counts`` requests of
+    ``contexts`` tokens drafting ``taken`` nodes each), in ms of step time.
+
+    Priced by a tenth of the batch adding one node each, not by the slope at
+    a point: the optimum often sits right at the roofline's kink."""
+    batch_tokens = batch + sum(n * m for n, m in zip(counts, taken))
+    kv = sum(n * ctx for n, ctx in zip(counts, contexts))
+    pairs = kv + sum(n * m * ctx for n, m, ctx in zip(counts, taken, contexts))
+    span = max(1.0, 0.1 * batch)
+    mean_ctx = kv / max(batch, 1e-9)
+    verify_step = float(cost.verify_ms(batch_tokens + span, kv, pairs + span * mean_ctx)
+                        - cost.verify_ms(batch_tokens, kv, pairs)) / span
+    return verify_step + float(cost.draft_ms(0, 1, batch) - cost.draft_ms(0, 0, batch))
+
+
 def representative_batch_size(edges: Sequence[int], bucket: int) -> float:
     """Geometric middle of a batch bucket (its lower edge for the last one)."""
     lo = edges[bucket]
@@ -459,6 +521,277 @@ def table_goodput(table: DecisionTable, obs: Observation, batch: float | None = 
         offer.append(obs.acceptance.offer_rate(c))
     taken = np.array([len(g.nodes.values) for g in groups])
     return float(step_goodput(groups, taken, obs.cost, np.array(offer), obs.padded_verify))
+
+
+# --- Request classes (issue #29) ---------------------------------------------
+#
+# With several classes a row is solved on one representative batch holding
+# every class's requests: groups are (class, context bucket), the step time is
+# the whole batch's (one forward, one draft level per level), and the objective
+# is the weighted goodput Σ_c weight_c · tokens_c / step_ms. A class with a TPOT
+# target must keep step_ms / (1 + E[τ_c]) · κ_c under it; its weight is raised
+# by a multiplier (a Lagrange multiplier of that constraint: raising it is
+# exactly what Σ λ_c (tokens_c / (n_c · step)) adds to the objective) until the
+# weighted optimum meets the target.
+
+# Factors (1 + m) on a targeted class's weight, tried in order until the
+# weighted optimum meets its target. At the last one every node of the class
+# (values above MIN_NODE_VALUE) ranks before any node of a class of equal weight.
+TARGET_MULTIPLIERS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 32.0, 1024.0)
+# Worst TPOT / target ratios within this of the smallest count as equal when no
+# allocation meets every target: among them the best weighted goodput wins (a
+# best-effort class is not turned off to shave a tenth of a percent off a miss).
+RATIO_TOLERANCE = 0.01
+UNSEEN_CLASS_SHARE = 0.05  # share of a batch a class without traffic yet is solved with
+TIE_BREAK = 1e-9  # relative edge of a targeted class's nodes over equal ones in the ranking
+MAX_TPOT_SPREAD = 3.0  # bound on κ: one slow observation window must not demand the impossible
+MIN_TAIL_GAIN = 0.05  # a class drafting less than this per step tells nothing about its tail
+
+
+def class_acceptance(obs: Observation, rc: RequestClass) -> AcceptanceEstimate:
+    """The acceptance a class's nodes are valued with: the relaxed rule's for a
+    ``typical`` class once it has been observed, else the strict rule's (a
+    lower bound: typical acceptance accepts whatever strict sampling would)."""
+    if rc.relaxed and obs.acceptance_typical is not None:
+        return obs.acceptance_typical
+    return obs.acceptance
+
+
+def tpot_spread(rc: RequestClass, load: ClassLoad | None) -> float:
+    """κ ≥ 1: the class's observed TPOT at its target's quantile over its
+    observed mean TPOT (``step_ms_mean / tokens_per_step``), in [1, 3].
+
+    The policy predicts a mean (step time over tokens per step); the target
+    bounds a quantile over requests, which sits above the mean by however
+    much requests differ (context, acceptance, when they ran). 1 until the
+    class has been measured.
+
+    >>> rc = RequestClass("interactive", tpot_target_ms=30.0, tpot_quantile="p99")
+    >>> tpot_spread(rc, ClassLoad(share=0.2, tpot_ms_p50=9.0, tpot_ms_p99=15.0, tokens_per_step=2.0, step_ms_mean=20.0))
+    1.5
+    >>> tpot_spread(rc, None), tpot_spread(rc, ClassLoad(tpot_ms_p99=400.0, tokens_per_step=2.0, step_ms_mean=20.0))
+    (1.0, 3.0)
+    """
+    if load is None or load.step_ms_mean <= 0 or load.tokens_per_step <= 0:
+        return 1.0
+    observed = load.tpot_ms_p99 if rc.tpot_quantile == "p99" else load.tpot_ms_p50
+    if observed <= 0:
+        return 1.0
+    # A p99 target's requests emit the tail's tokens per step (tail_ratio prices that part).
+    tokens = load.tail_tokens_per_step if rc.tpot_quantile == "p99" and load.tail_tokens_per_step > 0 \
+        else load.tokens_per_step
+    return float(min(MAX_TPOT_SPREAD, max(1.0, observed * tokens / load.step_ms_mean)))
+
+
+def tail_ratio(rc: RequestClass, load: ClassLoad | None) -> float:
+    """For a p99 target: the draft tokens its slowest requests accept per step over the class's
+    mean, ``(tail_tokens_per_step - 1) / (tokens_per_step - 1)`` in [0, 1]; 1 otherwise or
+    until measured.
+
+    A p99 target bounds the requests the drafter follows worst. Priced with the class's mean
+    acceptance, each further node looked as if it shortened their TPOT as much as the average
+    request's, and the policy bought deeper trees that lengthened every step and left those
+    requests slower (priority-classes: 2.8-node drafts where 2 met the target). Scaled by
+    this ratio, a node pays for the tail only what the tail accepts.
+
+    >>> rc = RequestClass("interactive", tpot_target_ms=8.0)
+    >>> round(tail_ratio(rc, ClassLoad(tokens_per_step=2.5, tail_tokens_per_step=1.6)), 3)
+    0.4
+    >>> tail_ratio(rc, ClassLoad(tokens_per_step=1.0, tail_tokens_per_step=1.0)), tail_ratio(rc, None)
+    (1.0, 1.0)
+    """
+    if rc.tpot_quantile != "p99" or load is None or load.tail_tokens_per_step <= 0 \
+            or load.tokens_per_step <= 1.0 + MIN_TAIL_GAIN:
+        return 1.0
+    return float(np.clip((load.tail_tokens_per_step - 1.0) / (load.tokens_per_step - 1.0), 0.0, 1.0))
+
+
+def class_mix(obs: Observation) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(share ``[classes]``, context share and mean context ``[classes, buckets]``).
+
+    A class's share of request-steps from ``obs.class_load``; a class without
+    traffic yet gets :data:`UNSEEN_CLASS_SHARE` of the batch (so its row is
+    solved with it present, not empty), and with no class traffic at all
+    they share alike. A class's context mix is its own where it has one,
+    else the worker's (:func:`observed_mix`), bucket by bucket for the means.
+    """
+    n_classes, n = len(obs.classes), len(obs.context_edges)
+    base_share, base_mean = observed_mix(obs)
+    raw = np.zeros(n_classes)
+    share = np.tile(base_share, (n_classes, 1))
+    means = np.tile(base_mean, (n_classes, 1))
+    for k, rc in enumerate(obs.classes):
+        load = obs.class_load.get(rc.name)
+        if load is None:
+            continue
+        raw[k] = max(float(load.share), 0.0)
+        own = np.asarray(load.context_share, dtype=float)
+        if own.shape == (n,) and own.sum() > 0:
+            share[k] = own / own.sum()
+        observed = np.asarray(load.context_mean, dtype=float)
+        if observed.shape == (n,):
+            means[k] = np.where(observed > 0, observed, base_mean)
+    if raw.sum() <= 0:
+        return np.full(n_classes, 1.0 / n_classes), share, means
+    raw = np.where(raw > 0, raw / raw.sum(), UNSEEN_CLASS_SHARE)
+    return raw / raw.sum(), share, means
+
+
+@dataclass
+class ClassBatch:
+    """What every multi-class row is solved from, whatever its batch size.
+
+    ``lists[k][cap - 1][b]``: class ``k``'s best-first nodes in context bucket
+    ``b`` (classes valued with the same acceptance share the lists);
+    ``groups``: the (class, bucket) pairs a representative batch holds (each
+    class's buckets with at least ``min_share`` of its traffic, and always its
+    largest); ``distinct``: the caps (0-based) at which some list changes.
+    Prefix tables are built once per set of weight multipliers and shared by
+    every row.
+    """
+
+    classes: tuple[RequestClass, ...]
+    weights: np.ndarray  # [classes]
+    targets: np.ndarray  # [classes] ms; inf: best effort
+    spread: np.ndarray  # [classes] κ
+    tail: np.ndarray  # [classes] the target's requests' accepted tokens over the class mean (tail_ratio)
+    share: np.ndarray  # [classes]
+    context_share: np.ndarray  # [classes, buckets]
+    context_mean: np.ndarray  # [classes, buckets]
+    offer: np.ndarray  # [classes, buckets] P(a draft is offered at all)
+    lists: list[list[list[NodeList]]]
+    groups: list[tuple[int, int]]
+    distinct: list[int]
+    _tables: dict[tuple[int, ...], PrefixTable] = field(default_factory=dict, repr=False)
+
+    def effective_weights(self, levels: Sequence[int]) -> np.ndarray:
+        """Each class's weight times ``1 + TARGET_MULTIPLIERS[level]``."""
+        return self.weights * (1.0 + np.asarray([TARGET_MULTIPLIERS[i] for i in levels]))
+
+    def table(self, levels: tuple[int, ...]) -> PrefixTable:
+        """The prefix table ranking nodes by effective weight · value; of equal
+        ones, a class with a target's first (a best-effort class gives way)."""
+        if levels not in self._tables:
+            weights = self.effective_weights(levels) * np.where(np.isfinite(self.targets), 1.0 + TIE_BREAK, 1.0)
+            lists = [[self.lists[k][cap][b] for k, b in self.groups] for cap in self.distinct]
+            self._tables[levels] = PrefixTable(lists, weights=[weights[k] for k, _ in self.groups], whole_ties=True)
+        return self._tables[levels]
+
+
+@dataclass(frozen=True)
+class ClassAllocation:
+    """One multi-class row: the depth cap every class shares, nodes per class
+    and context bucket, and what the policy predicts for them."""
+
+    cap: int
+    nodes: tuple[tuple[int, ...], ...]  # [class][bucket]
+    goodput_tok_s: float  # every class's tokens per second of step time
+    weighted_goodput: float  # Σ weight_c · tokens_c per second
+    tpot_ms: tuple[float, ...]  # per class, at its target's quantile (κ · step time / tokens per step)
+    step_ms: float
+    multipliers: tuple[float, ...]  # the weight factors (1 + m) the allocation was ranked with
+
+    def meets_targets(self, classes: Sequence[RequestClass]) -> bool:
+        return all(rc.tpot_target_ms is None or t <= rc.tpot_target_ms for rc, t in zip(classes, self.tpot_ms))
+
+
+@dataclass(frozen=True)
+class _Scores:
+    """Every prefix of one prefix table priced on one batch."""
+
+    step_ms: np.ndarray  # [prefixes]
+    tokens: np.ndarray  # [prefixes, classes] tokens a step emits per class
+    weighted: np.ndarray  # [prefixes] Σ weight · tokens per second
+    tpot_ms: np.ndarray  # [prefixes, classes] κ · step / tokens per request
+    worst: np.ndarray  # [prefixes] max over targeted classes of TPOT / target (0: none)
+
+
+def _pick(scores: Sequence[_Scores], allowed: Sequence[np.ndarray] | None = None) -> tuple[int, int] | None:
+    """(table, prefix) of the best allowed prefix: the best weighted goodput
+    among those that meet every target, else the smallest worst TPOT/target
+    (within :data:`RATIO_TOLERANCE`, then the best weighted goodput). The
+    first wins ties; None if none is allowed."""
+    masks = [np.ones(len(s.weighted), dtype=bool) if allowed is None else allowed[i] for i, s in enumerate(scores)]
+    feasible = [m & (s.worst <= 1.0) for s, m in zip(scores, masks)]
+    if any(f.any() for f in feasible):
+        best, key = None, -np.inf
+        for i, (s, f) in enumerate(zip(scores, feasible)):
+            if f.any():
+                p = int(np.argmax(np.where(f, s.weighted, -np.inf)))
+                if s.weighted[p] > key:
+                    best, key = (i, p), float(s.weighted[p])
+        return best
+    if not any(m.any() for m in masks):
+        return None
+    lowest = min(float(s.worst[m].min()) for s, m in zip(scores, masks) if m.any())
+    best, key = None, -np.inf
+    for i, (s, m) in enumerate(zip(scores, masks)):
+        near = m & (s.worst <= lowest * (1.0 + RATIO_TOLERANCE))
+        if near.any():
+            p = int(np.argmax(np.where(near, s.weighted, -np.inf)))
+            if s.weighted[p] > key:
+                best, key = (i, p), float(s.weighted[p])
+    return best
+
+
+@dataclass(frozen=True)
+class ClassPlanEstimate:
+    """What a plan's class tables are estimated to do at one batch size."""
+
+    goodput_tok_s: float  # every class's tokens per second
+    weighted_goodput_tok_s: float  # Σ weight_c · tokens_c per second
+    tpot_ms: tuple[float, ...]  # per class, κ applied
+    worst_ratio: float  # max over classes with a target of TPOT / target (0: none)
+
+    def better_than(self, other: "ClassPlanEstimate", margin: float = 1.0) -> bool:
+        """The solver's order, with hysteresis ``margin`` (≥ 1): meeting every
+        target beats missing one; between two that meet them (or two without
+        targets) the weighted goodput must be ``margin`` times higher; between
+        two that miss, the worst ratio ``margin`` times lower."""
+        if (self.worst_ratio <= 1.0) != (other.worst_ratio <= 1.0):
+            return self.worst_ratio <= 1.0
+        if self.worst_ratio > 1.0:
+            return self.worst_ratio * margin < other.worst_ratio
+        return self.weighted_goodput_tok_s > other.weighted_goodput_tok_s * margin
+
+
+def class_plan_estimate(draft: PlanDraft, obs: Observation, batch: float | None = None) -> ClassPlanEstimate:
+    """:func:`table_goodput` for a plan with class tables: a batch of ``batch``
+    requests (default the mean batch size) split by :func:`class_mix`, each
+    class drafting what its table says, each valued with its acceptance
+    (:func:`class_acceptance`), one step time for all. With one class its
+    ``goodput_tok_s`` is ``table_goodput(draft.table, obs, batch)``; the
+    controller can judge whether a new plan is worth pushing with
+    :meth:`ClassPlanEstimate.better_than`, which a plan that only changes a
+    non-default class's table needs."""
+    batch = max(1.0, obs.load.mean_batch_size if batch is None else batch)
+    share, context_share, means = class_mix(obs)
+    groups, offer, class_of = [], [], []
+    for k, rc in enumerate(obs.classes):
+        acceptance, table = class_acceptance(obs, rc), draft.table_for(rc.name)
+        for c in np.flatnonzero(context_share[k]):
+            d = table.lookup(max(1, round(batch)), obs.context_edges[c])
+            nodes = best_first_nodes(acceptance.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0,
+                                     acceptance.offer_probs(c))
+            groups.append(BatchGroup(batch * share[k] * context_share[k, c], means[k, c], nodes))
+            offer.append(acceptance.offer_rate(c))
+            class_of.append(k)
+    taken = np.array([len(g.nodes.values) for g in groups])
+    goodput = float(step_goodput(groups, taken, obs.cost, np.array(offer), obs.padded_verify))
+    tokens, requests = np.zeros(len(obs.classes)), np.zeros(len(obs.classes))
+    for g, k in zip(groups, class_of):
+        tokens[k] += g.count * (1.0 + g.nodes.values.sum())
+        requests[k] += g.count
+    step_ms = tokens.sum() / max(goodput, 1e-12) * 1000.0
+    loads = [obs.class_load.get(rc.name) for rc in obs.classes]
+    spread = np.array([tpot_spread(rc, load) for rc, load in zip(obs.classes, loads)])
+    tail = np.array([tail_ratio(rc, load) for rc, load in zip(obs.classes, loads)])
+    per_request = 1.0 + tail * (tokens / np.maximum(requests, 1e-12) - 1.0)
+    tpot = step_ms / np.maximum(per_request, 1e-12) * spread
+    ratios = [t / rc.tpot_target_ms for t, rc in zip(tpot, obs.classes) if rc.has_target]
+    weights = np.array([rc.weight for rc in obs.classes])
+    return ClassPlanEstimate(goodput, float(tokens @ weights / step_ms * 1000.0), tuple(float(t) for t in tpot),
+                             float(max(ratios, default=0.0)))
 
 
 class GoodputPolicy(Policy[GoodputConfig]):
@@ -519,23 +852,14 @@ class GoodputPolicy(Policy[GoodputConfig]):
             for c in range(len(chosen)):
                 nodes.setdefault(c, min(width, len(chosen[c].values)))
             return cap, [nodes[c] for c in range(len(chosen))], allocation.goodput_tok_s
-        batch_tokens = batch + sum(n * nodes[c] for n, c in zip(counts, served))
-        kv = sum(n * ctx for n, ctx in zip(counts, contexts))
-        pairs = kv + sum(n * nodes[c] * ctx for n, c, ctx in zip(counts, served, contexts))
-        # Price a node by the cost of a tenth of the batch adding one each, not
-        # by the slope at a point: the optimum often sits right at the roofline's kink.
-        span = max(1.0, 0.1 * batch)
-        mean_ctx = kv / max(batch, 1e-9)
-        verify_step = float(obs.cost.verify_ms(batch_tokens + span, kv, pairs + span * mean_ctx)
-                            - obs.cost.verify_ms(batch_tokens, kv, pairs)) / span
-        node_ms = verify_step + float(obs.cost.draft_ms(0, 1, batch) - obs.cost.draft_ms(0, 0, batch))
+        node_ms = marginal_node_ms(obs.cost, batch, counts, contexts, [nodes[c] for c in served])
         price = allocation.goodput_tok_s / 1000.0 * node_ms * (1.0 + self.config.min_gain)
         for c in range(len(chosen)):
             if c not in nodes:
                 nodes[c] = int(np.count_nonzero(chosen[c].values > price))
         return cap, [nodes[c] for c in range(len(chosen))], allocation.goodput_tok_s
 
-    def catch_up_charge(self, obs: Observation) -> list[float] | None:
+    def catch_up_charge(self, obs: Observation, by_class: bool = False) -> list | None:
         """Per context bucket, the ms a step pays when that bucket's active
         requests draft: the drafter's catch-up on what they owe
         (``obs.catch_up_owed``), spread over ``catch_up_horizon_steps``.
@@ -544,16 +868,21 @@ class GoodputPolicy(Policy[GoodputConfig]):
         everything it missed (EAGLE: its whole context on the first draft),
         then nothing while it keeps drafting; charged per step, the cost sets
         a bar that turning on must clear and that staying on does not pay.
-        None when nothing is owed or the worker never reported a catch-up."""
-        owed = [0.0] * len(obs.context_edges)
+        None when nothing is owed or the worker never reported a catch-up.
+        ``by_class``: ``[class][bucket]`` (the request's class from
+        ``obs.active_classes``), for the multi-class solve."""
+        owed = np.zeros((len(obs.classes) if by_class else 1, len(obs.context_edges)))
         for rid, tokens in obs.catch_up_owed.items():
             ctx = obs.active_requests.get(rid)
             if tokens and ctx is not None:
-                owed[bucket_index(obs.context_edges, ctx)] += tokens
-        if not any(owed):
+                k = obs.classes.index(obs.active_classes.get(rid, "")) if by_class else 0
+                owed[k, bucket_index(obs.context_edges, ctx)] += tokens
+        if not owed.any():
             return None
-        per_step = np.asarray(obs.cost.catch_up_ms(np.asarray(owed))) / self.config.catch_up_horizon_steps
-        return per_step.tolist() if per_step.any() else None
+        per_step = np.asarray(obs.cost.catch_up_ms(owed)) / self.config.catch_up_horizon_steps
+        if not per_step.any():
+            return None
+        return per_step.tolist() if by_class else per_step[0].tolist()
 
     def prefix_table(self, obs: Observation,
                      lists_by_cap: Sequence[Sequence[NodeList]]) -> tuple[list[int], list[int], PrefixTable]:
@@ -563,11 +892,14 @@ class GoodputPolicy(Policy[GoodputConfig]):
         distinct = [k for k in range(len(lists_by_cap)) if k == 0 or lists_by_cap[k] is not lists_by_cap[k - 1]]
         return served, distinct, PrefixTable([[lists_by_cap[k][c] for c in served] for k in distinct])
 
-    def node_lists(self, obs: Observation, rank_probs: Sequence[np.ndarray | None]) -> list[list[NodeList]]:
+    def node_lists(self, obs: Observation, rank_probs: Sequence[np.ndarray | None],
+                   acceptance: AcceptanceEstimate | None = None) -> list[list[NodeList]]:
         """``[cap - 1][bucket]`` best-first node lists within the limits, one expansion per
         distinct ``q`` and offer probabilities (buckets never observed share the prior's);
         a cap whose lists equal the one above is that same list object. A ``None`` bucket
-        gets no nodes."""
+        gets no nodes. ``acceptance``: the estimate the offer probabilities come from
+        (default ``obs.acceptance``; a relaxed class's is ``obs.acceptance_typical``)."""
+        acceptance = obs.acceptance if acceptance is None else acceptance
         depth, width, nodes = self.limits(obs)
         empty = capped_node_lists(np.zeros((0, 0)), depth, width, nodes)
         by_q: dict[bytes, list[NodeList]] = {}
@@ -576,7 +908,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
             if q is None:
                 per_bucket.append(empty)
                 continue
-            offer = obs.acceptance.offer_probs(c)
+            offer = acceptance.offer_probs(c)
             key = q.tobytes() + offer.tobytes()
             if key not in by_q:
                 by_q[key] = capped_node_lists(q, depth, width, nodes, offer)
@@ -589,6 +921,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
         return out
 
     def decide(self, state: tuple[int, int], obs: Observation) -> tuple[PlanDraft, tuple[int, int]]:
+        if not obs.classes.single:
+            return self.decide_classes(state, obs)
         seed, calls = state
         contexts = range(len(obs.context_edges))
         lists_by_cap = self.node_lists(obs, [obs.acceptance.rank_probs(c) for c in contexts])
@@ -638,6 +972,226 @@ class GoodputPolicy(Policy[GoodputConfig]):
             c = bucket_index(obs.context_edges, obs.active_requests[rid])
             decision = lists_by_cap[cap - 1][c].decision(nodes_per_bucket[c])
             if decision != table.cell(batch_bucket, c):
+                overrides[rid] = decision
+                reasons[rid] = "explore"
+        return overrides, reasons
+
+    # --- request classes ------------------------------------------------------
+
+    def class_batch(self, obs: Observation,
+                    rank_probs: Sequence[Sequence[np.ndarray | None]] | None = None) -> ClassBatch:
+        """The multi-class setup of :meth:`solve_class_row`: mix, κ, node lists.
+
+        ``rank_probs``: per acceptance estimate (0 strict, 1 relaxed) and
+        bucket, the probabilities to expand (Thompson samples for probes);
+        default each estimate's mean."""
+        classes = tuple(obs.classes)
+        estimates = [obs.acceptance, obs.acceptance_typical]
+        which = [1 if class_acceptance(obs, rc) is not obs.acceptance else 0 for rc in classes]
+        buckets = range(len(obs.context_edges))
+        lists_by_estimate: dict[int, list[list[NodeList]]] = {}
+        for e in sorted(set(which)):
+            qs = rank_probs[e] if rank_probs is not None else [estimates[e].rank_probs(c) for c in buckets]
+            lists_by_estimate[e] = self.node_lists(obs, qs, estimates[e])
+        share, context_share, context_mean = class_mix(obs)
+        groups = []
+        for k in range(len(classes)):
+            served = set(np.flatnonzero(context_share[k] >= self.config.min_share).tolist())
+            served.add(int(np.argmax(context_share[k])))
+            groups += [(k, b) for b in sorted(served)]
+        lists = [lists_by_estimate[e] for e in which]
+        depth = len(lists[0])
+        distinct = [cap for cap in range(depth)
+                    if cap == 0 or any(per[cap] is not per[cap - 1] for per in lists_by_estimate.values())]
+        return ClassBatch(
+            classes=classes,
+            weights=np.array([rc.weight for rc in classes]),
+            targets=np.array([rc.tpot_target_ms if rc.has_target else np.inf for rc in classes]),
+            spread=np.array([tpot_spread(rc, obs.class_load.get(rc.name)) for rc in classes]),
+            tail=np.array([tail_ratio(rc, obs.class_load.get(rc.name)) for rc in classes]),
+            share=share, context_share=context_share, context_mean=context_mean,
+            offer=np.array([[estimates[e].offer_rate(c) for c in buckets] for e in which]),
+            lists=lists, groups=groups, distinct=distinct,
+        )
+
+    def solve_class_row(self, obs: Observation, cb: ClassBatch, batch: float, caution: float | None = None,
+                        switch_ms: Sequence[Sequence[float]] | None = None) -> ClassAllocation:
+        """Depth cap and nodes per class and context bucket at one batch size.
+
+        The batch holds ``batch · share_c · context_share_c[b]`` requests of
+        each group (class ``c``, bucket ``b``); every prefix of the ranking
+        by weight · value is priced with one step time for all of them.
+        Without targets the best weighted goodput wins. With targets, the
+        classes the weighted optimum leaves over their targets have their
+        weights raised by the smallest factor of :data:`TARGET_MULTIPLIERS`
+        at which the optimum of the raised weights (the Lagrangian's) meets
+        every target, found by bisection (monotone: a raised class ranks
+        ahead of more of the others' nodes); the allocation is the best
+        weighted goodput among all the prefixes priced on the way that meet
+        every target, or, when none does, the smallest worst TPOT / target
+        (within :data:`RATIO_TOLERANCE`, then the best weighted goodput). A
+        raised weight ranks the class's nodes ahead of the others', so the
+        others' drop out first as the step gets dearer: best-effort classes
+        give way. Speculation must then beat off
+        as in the single-class path (``min_gain``, ``caution`` standard errors
+        on drafting batches): by ``min_gain`` in weighted goodput when off
+        meets every target, else by meeting them, or by a ``min_gain``
+        smaller worst ratio. Buckets outside the batch take the nodes whose
+        effective weight · value beats the batch's marginal price, or
+        (padded) fill the padding. ``switch_ms[c][b]``: per-step catch-up of
+        class ``c``'s bucket ``b`` (:meth:`catch_up_charge` ``by_class``).
+        """
+        cfg = self.config
+        caution = cfg.cost_caution if caution is None else caution
+        n_classes, groups = len(cb.classes), cb.groups
+        class_of = np.array([k for k, _ in groups])
+        counts = np.array([batch * cb.share[k] * cb.context_share[k, b] for k, b in groups])
+        contexts = np.array([cb.context_mean[k, b] for k, b in groups])
+        offer = np.array([cb.offer[k, b] for k, b in groups])
+        switch = None if switch_ms is None else np.array([switch_ms[k][b] for k, b in groups])
+        member = np.zeros((len(groups), n_classes))
+        member[np.arange(len(groups)), class_of] = 1.0
+        requests = counts @ member  # [classes]
+        targeted = np.isfinite(cb.targets)
+
+        def score(table: PrefixTable, shift: float = 0.0, rows=slice(None)) -> _Scores:
+            step = np.maximum(prefix_step_ms(counts, contexts, table.depths[rows], table.taken[rows], obs.cost,
+                                             offer, obs.padded_verify, shift, switch), 1e-9)
+            tokens = (counts * (1.0 + table.gained[rows])) @ member
+            per_request = 1.0 + cb.tail * (tokens / np.maximum(requests, 1e-12) - 1.0)  # the target's requests
+            tpot = step[:, None] / np.maximum(per_request, 1e-12) * cb.spread
+            worst = (np.where(targeted, tpot / np.where(targeted, cb.targets, 1.0), 0.0).max(axis=1)
+                     if targeted.any() else np.zeros(len(step)))
+            return _Scores(step, tokens, tokens @ cb.weights / step * 1000.0, tpot, worst)
+
+        tried: list[tuple[tuple[int, ...], PrefixTable, _Scores]] = []
+
+        def over(raised: set[int], level: int) -> set[int]:
+            """Price the ranking with the ``raised`` classes' weights at ``level``;
+            the targeted classes its Lagrangian optimum (the best effective-weighted
+            goodput) leaves over their targets."""
+            key = tuple(level if k in raised else 0 for k in range(n_classes))
+            table = cb.table(key)
+            scores = score(table)
+            tried.append((key, table, scores))
+            star = int(np.argmax(scores.tokens @ cb.effective_weights(key) / scores.step_ms))
+            return set(np.flatnonzero(scores.tpot_ms[star] > cb.targets).tolist())  # best effort: target inf
+
+        # The smallest multiplier that meets the targets, by bisection on the grid:
+        # raised classes ranked ahead of the rest make it true if anything does.
+        raised = over(set(), 0)
+        top = len(TARGET_MULTIPLIERS) - 1
+        if raised:
+            while not (still := over(raised, top)) <= raised:  # raising some may leave others over theirs
+                raised |= still
+            if not still:
+                lo, hi = 0, top
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if over(raised, mid) else (lo, mid)
+
+        tried.sort(key=lambda t: max(t[0]))  # ties go to the smallest multipliers (off stays first)
+        expected = [s for _, _, s in tried]
+        i, p = _pick(expected)
+        off = expected[0]  # the first prefix of every table drafts nothing
+        margin = 1.0 + cfg.min_gain
+
+        def beats_off(s: _Scores) -> np.ndarray:
+            if off.worst[0] > 1.0:
+                return (s.worst <= 1.0) | (s.worst * margin <= off.worst[0])
+            return (s.worst <= 1.0) & (s.weighted >= off.weighted[0] * margin)
+
+        if tried[i][1].taken[p].any():
+            ok = beats_off(score(tried[i][1], caution, [p]))[0] if caution else beats_off(expected[i])[p]
+            if not ok:
+                cautious = [score(t, caution) for _, t, _ in tried] if caution else expected
+                picked = _pick(cautious, [beats_off(s) for s in cautious])
+                i, p = picked if picked is not None else (0, 0)
+        key, table, scores = tried[i]
+        cap = cb.distinct[int(table.cap_of[p])] + 1
+        taken = [int(m) if n > 0 else 0 for m, n in zip(table.taken[p], counts)]
+        nodes = {g: m for g, m in zip(groups, taken)}
+        weights = cb.effective_weights(key)
+        if obs.padded_verify:  # the rest fill the padding the batch already pays for, and no more
+            width = max(taken, default=0)
+            fill = lambda k, b, values: min(width, len(values))  # noqa: E731
+        else:
+            node_ms = marginal_node_ms(obs.cost, batch, counts, contexts, taken)
+            rate = float(scores.tokens[p] @ weights / scores.step_ms[p])  # effective-weighted tokens per ms
+            price = rate * node_ms * margin
+            fill = lambda k, b, values: int(np.count_nonzero(weights[k] * values > price))  # noqa: E731
+        per_class = tuple(
+            tuple(nodes[(k, b)] if (k, b) in nodes else fill(k, b, cb.lists[k][cap - 1][b].values)
+                  for b in range(cb.context_share.shape[1]))
+            for k in range(n_classes))
+        return ClassAllocation(
+            cap=cap, nodes=per_class,
+            goodput_tok_s=float(scores.tokens[p].sum() / scores.step_ms[p] * 1000.0),
+            weighted_goodput=float(scores.weighted[p]),
+            tpot_ms=tuple(float(t) for t in scores.tpot_ms[p]),
+            step_ms=float(scores.step_ms[p]),
+            multipliers=tuple(float(1.0 + TARGET_MULTIPLIERS[level]) for level in key),
+        )
+
+    def decide_classes(self, state: tuple[int, int], obs: Observation) -> tuple[PlanDraft, tuple[int, int]]:
+        """:meth:`decide` with several request classes: one table per class
+        (same edges, one shared depth cap per batch row), the default class's
+        as ``table``; probes get their own class's decision."""
+        seed, calls = state
+        cb = self.class_batch(obs)
+        current = bucket_index(obs.batch_edges, max(1, round(obs.load.mean_batch_size)))
+        switch = self.catch_up_charge(obs, by_class=True)
+        rows: list[list[list[Decision]]] = [[] for _ in cb.classes]
+        goodput = 0.0
+        for b in range(len(obs.batch_edges)):
+            batch, row_switch = ((max(1.0, obs.load.mean_batch_size), switch) if b == current
+                                 else (representative_batch_size(obs.batch_edges, b), None))
+            alloc = self.solve_class_row(obs, cb, batch, switch_ms=row_switch)
+            for k, per_bucket in enumerate(alloc.nodes):
+                rows[k].append([cb.lists[k][alloc.cap - 1][c].decision(m) for c, m in enumerate(per_bucket)])
+            if b == current:
+                goodput = alloc.goodput_tok_s
+        tables = {rc.name: DecisionTable.from_rows(rows[k], obs.batch_edges, obs.context_edges)
+                  for k, rc in enumerate(cb.classes)}
+        overrides, reasons = self.explore_classes(obs, tables, np.random.default_rng([seed, calls]), switch)
+        plan = PlanDraft(tables[obs.classes.default], overrides, goodput, reasons, class_tables=tables)
+        return plan, (seed, calls + 1)
+
+    def explore_classes(self, obs: Observation, tables: dict[str, DecisionTable], rng: np.random.Generator,
+                        switch_ms: Sequence[Sequence[float]] | None = None
+                        ) -> tuple[dict[str, Decision], dict[str, str]]:
+        """:meth:`explore` with classes: one posterior sample per acceptance
+        estimate and bucket, one multi-class row at the current batch, and
+        each probe gets its class's decision (compared with its class's table)."""
+        threshold = int(self.config.probe_fraction * 10_000)
+        probes = [rid for rid in obs.active_requests if zlib.crc32(rid.encode()) % 10_000 < threshold]
+        if not probes:
+            return {}, {}
+        batch = max(1, len(obs.active_requests))
+        batch_bucket = bucket_index(obs.batch_edges, batch)
+        n = len(obs.context_edges)
+        _, context_share, _ = class_mix(obs)
+        estimates = [obs.acceptance, obs.acceptance_typical]
+        wanted: list[set[int]] = [set(), set()]
+        for k, rc in enumerate(obs.classes):
+            e = 1 if class_acceptance(obs, rc) is not obs.acceptance else 0
+            wanted[e] |= set(np.flatnonzero(context_share[k] >= self.config.min_share).tolist())
+            wanted[e].add(int(np.argmax(context_share[k])))
+        for rid in probes:
+            rc = obs.classes.get(obs.active_classes.get(rid, ""))
+            e = 1 if class_acceptance(obs, rc) is not obs.acceptance else 0
+            wanted[e].add(bucket_index(obs.context_edges, obs.active_requests[rid]))
+        sampled = [[estimates[e].sample_rank_probs(c, rng) if c in wanted[e] else None for c in range(n)]
+                   if wanted[e] else [None] * n for e in range(2)]
+        cb = self.class_batch(obs, sampled)
+        cost_draw = float(rng.standard_normal())
+        alloc = self.solve_class_row(obs, cb, float(batch), caution=cost_draw, switch_ms=switch_ms)
+        overrides, reasons = {}, {}
+        for rid in probes:
+            k = obs.classes.index(obs.active_classes.get(rid, ""))
+            c = bucket_index(obs.context_edges, obs.active_requests[rid])
+            decision = cb.lists[k][alloc.cap - 1][c].decision(alloc.nodes[k][c])
+            if decision != tables[cb.classes[k].name].cell(batch_bucket, c):
                 overrides[rid] = decision
                 reasons[rid] = "explore"
         return overrides, reasons

@@ -41,6 +41,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from policies.base import Policy
+from policies.classes import parse_classes
 
 PRESET_DIR: Path = Path(__file__).resolve().parent / "presets"
 PRESET_SUFFIX = ".yaml"
@@ -128,11 +129,19 @@ def build_policy(name: str, fields: Mapping[str, Any], source: str = "<fields>")
     entry = _REGISTRY.get(name)
     if entry is None:
         raise PresetError(f"{source}: {_unknown_policy_message(name)}")
+    fields = dict(fields)
+    # Request classes are every policy's (policies/classes.py), not one policy's config.
     try:
-        config = entry.config_model.model_validate(dict(fields))
+        classes = parse_classes(fields.pop("classes", None), fields.pop("default_class", None), source)
+    except ValueError as exc:
+        raise PresetError(str(exc)) from None
+    try:
+        config = entry.config_model.model_validate(fields)
     except ValidationError as exc:
         raise PresetError(_validation_message(exc, entry, source)) from None
-    return entry.policy_cls(config)
+    policy = entry.policy_cls(config)
+    policy.classes = classes
+    return policy
 
 
 def load_preset_text(

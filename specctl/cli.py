@@ -82,8 +82,19 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "controller":
         from bench.controller import run_controller_bench
 
-        return run_controller_bench(out_dir=args.out, workers=args.workers, duration_s=args.duration,
+        return run_controller_bench(out_dir=args.out, workers=args.workers or 256, duration_s=args.duration,
                                     steps_per_s=args.steps_per_s)
+    if args.what == "fleet":
+        from bench.fleet import BenchError, run_fleet_bench
+
+        try:
+            return run_fleet_bench(out_dir=args.out, replicas=args.replicas, workers=args.workers or 32,
+                                   steps_per_s=args.steps_per_s, measure_s=args.duration,
+                                   backends=[b.strip() for b in args.backends.split(",") if b.strip()],
+                                   plots=not args.no_plots)
+        except BenchError as err:
+            print(f"specctl bench fleet: {err}", file=sys.stderr)
+            return 1
     if args.what == "policies":
         from bench.policies import run_policy_bench
         from policies.presets import PresetError
@@ -131,6 +142,16 @@ def _bench(args: argparse.Namespace) -> int:
         run_costfit_bench(out_dir=args.out, time_scale=QUICK_TIME_SCALE if args.quick else 1.0, seed=args.seed,
                           plots=not args.no_plots)
         return 0
+    if args.what == "typical":
+        from bench.typical import run_typical_bench
+        from policies.table import Decision
+        from worker.reference.server import parse_static
+
+        return run_typical_bench(out_dir=args.out, model_name=args.model, prompts=args.prompts,
+                                 max_new_tokens=args.max_new_tokens,
+                                 epsilons=tuple(float(e) for e in args.epsilons.split(",")),
+                                 decision=parse_static(args.typical_shape, Decision.off()), threads=args.threads,
+                                 kernels=args.kernels, quick=args.quick, plot=not args.no_plots)
     print(f"specctl bench: unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 
@@ -192,10 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("what", choices=["controller", "policies", "drift", "engine", "faults", "soak", "llamacpp",
-                                        "costfit"])
+                                        "costfit", "typical", "fleet"])
     bench.add_argument("--out", default="bench/results", help="output directory for JSON + PNG")
-    bench.add_argument("--workers", type=int, default=256)
-    bench.add_argument("--duration", type=float, default=10.0, help="seconds of measured load")
+    bench.add_argument("--workers", type=int, default=None, help="simulated workers (default 256; fleet: 32)")
+    bench.add_argument("--duration", type=float, default=10.0, help="seconds of measured load (fleet: per backend)")
     bench.add_argument("--steps-per-s", type=float, default=50.0, help="steps per second per worker")
     pol = bench.add_argument_group("policies", "options of `bench policies`")
     pol.add_argument("--quick", action="store_true", help="the shortened suite (CI): clocks x0.04, one replica per worker kind, coarse grid")
@@ -227,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--lookup-warmup", type=int, default=4, help="warm-up prompts per set, through every configuration")
     cf = bench.add_argument_group("costfit", "options of `bench costfit` (also --quick: clocks x0.1, --no-plots)")
     cf.add_argument("--seed", type=int, default=None, help="costfit: seed of the scenarios (default: their own)")
+    ty = bench.add_argument_group("typical", "options of `bench typical` (also --model, --prompts, --max-new-tokens, "
+                                             "--threads, --kernels, --quick: 2 prompts x 12 tokens, --no-plots)")
+    ty.add_argument("--epsilons", default="0.3,0.09,0.03", help="typical epsilons (delta = sqrt(epsilon))")
+    ty.add_argument("--typical-shape", default="4x2:6", help="the n-gram drafter's static tree DEPTHxWIDTH:NODES")
+    fl = bench.add_argument_group("fleet", "options of `bench fleet` (also --workers, --duration, --steps-per-s, "
+                                           "--no-plots)")
+    fl.add_argument("--replicas", type=int, default=2, help="fleet: specctl serve replicas (one is killed)")
+    fl.add_argument("--backends", default="embedded,redis",
+                    help="fleet: state backends to run side by side, in order (default embedded,redis)")
     bench.set_defaults(func=_bench)
 
     from specctl.worker_cli import add_worker_commands  # train-heads, worker, load (the reference worker)

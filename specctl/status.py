@@ -103,7 +103,64 @@ def status_sections(status: controller_pb2.GetStatusResponse) -> list[Section]:
     rejected = Section("rejected messages", ("reason", "count"), right=("count",))
     for r in status.rejections:
         rejected.rows.append((plan_pb2.RejectReason.Name(r.reason), str(r.count)))
-    return [workers, acceptance, rejected]
+    classes = class_section(status)
+    replicas = replica_section(status)
+    extra = [x for x in (classes, replicas) if x is not None]
+    return [workers, acceptance, *extra, rejected]
+
+
+def replica_section(status: controller_pb2.GetStatusResponse) -> Section | None:
+    """Several replicas (``state.backend: redis``): each replica, whether it
+    heartbeats, which workers it serves, and the shared store as the answering
+    replica sees it. None with one controller."""
+    if not status.replica_id:
+        return None
+    store = status.fleet_store
+    health = ("up" if store.up else f"DOWN for {store.down_for_s:.0f} s ({store.last_error})") + \
+        f", failed merges {store.failed_merges:,}, unmerged evidence {store.unmerged_evidence:,.0f}"
+    section = Section(f"replicas (answered by {status.replica_id}; store {store.url}: {health})",
+                      ("replica", "address", "live", "workers", "serving here"), right=("workers",))
+    serving: dict[str, list[str]] = {}
+    for p in status.placements:
+        serving.setdefault(p.replica_id, []).append(p.worker_id)
+    for r in status.replicas:
+        names = sorted(serving.get(r.replica_id, ()))
+        shown = ", ".join(names[:6]) + (f" … (+{len(names) - 6})" if len(names) > 6 else "")
+        section.rows.append((r.replica_id + (" (this)" if r.replica_id == status.replica_id else ""), r.address,
+                             "yes" if r.live else "NO", str(r.workers), shown or "–"))
+    return section
+
+
+def class_section(status: controller_pb2.GetStatusResponse) -> Section | None:
+    """Request classes per worker: load, TPOT against the target, τ, drafting
+    share, rule. None when no worker has classes (one class, ``default``, and
+    no unknown name or typical-rule violation reported): the workers table
+    then says it all."""
+    if not any(len(w.classes) > 1 or w.unknown_class_request_steps or w.unknown_class_queries
+               or w.typical_violations for w in status.workers):
+        return None
+    section = Section("request classes (recent; TPOT = step ms per emitted token, over requests of the last 30 s)",
+                      ("worker", "class", "share", "TPOT p50 / p99 ms", "target ms", "τ", "drafting",
+                       "acceptance", "request-steps", "unknown / violations"),
+                      right=("share", "τ", "drafting", "request-steps"))
+    for w in status.workers:
+        for i, c in enumerate(w.classes):
+            measured = c.tpot_ms_p50 if c.tpot_quantile == "p50" else c.tpot_ms_p99
+            target = "–"
+            if c.tpot_target_ms > 0:
+                target = f"{c.tpot_target_ms:g} {c.tpot_quantile}"
+                if c.tpot_requests and measured > c.tpot_target_ms:
+                    target += " MISSED"
+            rule = plan_pb2.AcceptanceRule.Name(c.acceptance_rule).removeprefix("ACCEPTANCE_RULE_").lower()
+            section.rows.append((
+                w.hello.worker_id if i == 0 else "", c.name + (" (default)" if c.is_default else ""),
+                f"{c.share:.0%}",
+                f"{c.tpot_ms_p50:.1f} / {c.tpot_ms_p99:.1f} ({c.tpot_requests})" if c.tpot_requests else "–",
+                target, f"{c.tau:.2f}", f"{c.spec_fraction:.0%}", rule, f"{c.request_steps:,}",
+                f"{w.unknown_class_request_steps + w.unknown_class_queries:,} / {w.typical_violations:,}"
+                if i == 0 else "",
+            ))
+    return section
 
 
 def section_table(section: Section) -> Table:

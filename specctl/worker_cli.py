@@ -67,6 +67,17 @@ def _train_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+def controller_targets(args: argparse.Namespace) -> str | None:
+    """``--controller`` as the agent takes it: every replica given, comma-separated
+    (``SpeculationAgent`` splits them), or None without the flag. A malformed address
+    raises ValueError naming it."""
+    if not args.controller:
+        return None
+    from worker.sdk.placement import Targets
+
+    return ",".join(Targets(args.controller).entries)
+
+
 def _worker(args: argparse.Namespace) -> int:
     from worker.reference.models import ModelUnavailableError
     from worker.sdk.security import ClientSecurity, ClientSecurityError
@@ -79,8 +90,13 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     if not _use_device("worker", args.device, [d for d in [args.drafter] if d in CPU_ONLY_DRAFTERS]):
         return 2
+    try:
+        controller = controller_targets(args)
+    except ValueError as err:
+        print(f"specctl worker: --controller: {err}", file=sys.stderr)
+        return 2
     set_threads(args.threads)
-    opts = WorkerOptions(model=args.model, drafter=args.drafter, heads=args.heads, controller=args.controller,
+    opts = WorkerOptions(model=args.model, drafter=args.drafter, heads=args.heads, controller=controller,
                          listen=args.listen, worker_id=args.worker_id, max_batch=args.max_batch,
                          fallback_depth=args.fallback_depth, static=args.static, heads_poll_s=args.heads_poll,
                          security=security, kernels=args.kernels, calibrate=not args.no_calibrate,
@@ -221,7 +237,10 @@ def add_worker_commands(sub) -> None:
     wk.add_argument("--heads", help="heads directory (default: cached heads, trained on first use)")
     wk.add_argument("--heads-poll", type=float, default=0.0, metavar="S",
                     help="check --heads every S seconds and roll to new heads a retraining job wrote (0 = off)")
-    wk.add_argument("--controller", help="HOST:PORT of the controller (omit: static decisions)")
+    wk.add_argument("--controller", action="append", metavar="HOST:PORT",
+                    help="the controller (omit: static decisions). Several replicas: repeat the flag or separate "
+                         "them with commas, or give one dns:///NAME:PORT that resolves to several; the worker "
+                         "picks one by rendezvous hashing of its id and fails over to the next")
     wk.add_argument("--listen", default="127.0.0.1:8471", help="HOST:PORT of the HTTP endpoint")
     wk.add_argument("--worker-id", default="", help="default: ref-<hostname>-<port>")
     wk.add_argument("--max-batch", type=int, default=8)

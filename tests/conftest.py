@@ -24,3 +24,16 @@ def _session_drift_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
 def _own_drift_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test's own controllers: a store of the test's own."""
     monkeypatch.setattr(controller.config, "DEFAULT_STORE_PATH", str(tmp_path / "specctl-state.sqlite3"))
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator["RedisServer"]:
+    """A started ``redis-server`` of this test's own (free loopback port, no persistence), stopped after it.
+    ``redis_server.kill()`` / ``.restart()`` crash it and bring it back on the same port."""
+    from tests.redis_support import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()

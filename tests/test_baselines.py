@@ -528,4 +528,4 @@ def test_replay_is_deterministic_and_state_is_not_mutated(name):
     first, state_a = replay()
     second, state_b = replay()
     assert first == second and state_a == state_b
-    assert policy.__dict__.keys() <= {"config", "slot_params", "slot_keys"}  # nothing run-time on self
+    assert policy.__dict__.keys() <= {"config", "classes", "slot_params", "slot_keys"}  # configuration only, nothing run-time

@@ -218,9 +218,9 @@ def _recording(engine: Engine) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     accept = engine._accept
 
-    def record(trees, logits, sizes):
+    def record(trees, logits, sizes, *rules):  # rules: each row's acceptance rule (issue #29)
         seen.append(logits.clone())
-        return accept(trees, logits, sizes)
+        return accept(trees, logits, sizes, *rules)
 
     engine._accept = record
     return seen

@@ -113,3 +113,49 @@ async def test_worker_follows_a_real_controller(tiny):
     finally:
         worker.stop()
         await running.stop(0)
+
+
+@pytest.mark.model
+async def test_request_classes_from_http_to_the_controller(tiny, tmp_path):
+    """Issue #29 end to end on the reference worker: a policy file with a strict class and a typical one;
+    requests name their class over HTTP. The plan tells the agent which class may relax, the engine
+    verifies each request by its class's rule and says so in telemetry, the controller counts the
+    typical steps of that class only, and the strict class stays token-for-token greedy."""
+    model, vocab = tiny
+    policy = tmp_path / "classes.yaml"
+    policy.write_text("policy: static\ndepth: 3\nwidth: 1\n"
+                      "classes:\n  chat: {}\n  bulk: {acceptance: typical, typical_epsilon: 0.3}\n"
+                      "default_class: chat\n")
+    plan = PlanSettings(recompute_interval_s=0.05, min_push_interval_s=0.05, hysteresis=0.0)
+    running = await start_server(ServerConfig(listen=f"127.0.0.1:{free_port()}", plan=plan, policy=str(policy)))
+    opts = WorkerOptions(listen="127.0.0.1:0", drafter="ngram", controller=running.address, max_batch=4,
+                         worker_id="ref-classes", fallback_depth=2)
+    worker = ReferenceWorker(model, None, NgramDrafter(), "tiny", opts).start()
+    try:
+        loop = asyncio.get_running_loop()
+        # A first request: the controller plans for a worker once its telemetry arrives.
+        await loop.run_in_executor(None, generate_request, worker.address, {"prompt_ids": [3, 4, 5], "max_new_tokens": 4})
+        await wait_for(lambda: worker.agent.plan_version >= 1, timeout=20)
+        assert worker.agent.acceptance_rule("bulk")[0] == "typical"
+        assert worker.agent.acceptance_rule("chat")[0] == "strict"
+        assert worker.agent.acceptance_rule("nope")[0] == "strict"  # unknown: the default class
+        gen = torch.Generator().manual_seed(5)
+        prompts = [(torch.randint(0, vocab, (5,), generator=gen).tolist() * 3) for _ in range(6)]
+        bodies = [{"prompt_ids": p, "max_new_tokens": 16, "request_class": "bulk" if i % 2 else "chat"}
+                  for i, p in enumerate(prompts)]
+        outs = await asyncio.gather(*[loop.run_in_executor(None, generate_request, worker.address, b)
+                                      for b in bodies])
+        for body, out in zip(bodies, outs):
+            if body["request_class"] == "chat":  # strict beside typical rows in the same batches: lossless
+                assert out["token_ids"] == _ref(model, body["prompt_ids"], 16)
+        await wait_for(lambda: running.controller.status("ref-classes").workers[0].steps_ingested
+                       >= worker.engine.stats.steps, timeout=20)
+        ws = running.controller.status("ref-classes").workers[0]
+        assert not list(running.controller.status("ref-classes").rejections)
+        by_name = {c.name: c for c in ws.classes}
+        assert set(by_name) == {"chat", "bulk"}
+        assert by_name["bulk"].typical_request_steps > 0 and by_name["bulk"].request_steps > 0
+        assert by_name["chat"].typical_request_steps == 0 and by_name["chat"].request_steps > 0
+    finally:
+        worker.stop()
+        await running.stop(0)

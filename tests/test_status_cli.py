@@ -88,3 +88,25 @@ async def test_status_table_piped_at_80_columns(served) -> None:
     assert rc == 0, err
     header = [line for line in out.splitlines() if "plan at this context" in line]
     assert len(header) == 1 and "est. speedup" in header[0] and "fit rmse ms" in header[0]
+
+
+def test_status_shows_replicas_and_the_store_only_with_several_replicas() -> None:
+    from protos.speculation.v1 import controller_pb2
+    from specctl.status import replica_section, status_sections
+
+    one = controller_pb2.GetStatusResponse(policy="goodput")
+    assert replica_section(one) is None and len(status_sections(one)) == 3
+    fleet = controller_pb2.GetStatusResponse(
+        policy="goodput", replica_id="r1",
+        replicas=[controller_pb2.ReplicaStatus(replica_id="r1", address="10.0.0.1:50051", live=True, workers=2),
+                  controller_pb2.ReplicaStatus(replica_id="r2", address="10.0.0.2:50051", live=False, workers=1)],
+        placements=[controller_pb2.WorkerPlacement(worker_id=w, replica_id=r, replica_live=r == "r1")
+                    for w, r in (("w1", "r1"), ("w0", "r1"), ("w2", "r2"))],
+        fleet_store=controller_pb2.FleetStoreHealth(backend="redis", url="redis://***@h:6379/0", up=False,
+                                                    down_for_s=12, last_error="connection refused",
+                                                    failed_merges=12, unmerged_evidence=340))
+    section = replica_section(fleet)
+    assert "answered by r1" in section.title and "DOWN for 12 s" in section.title and "failed merges 12" in section.title
+    assert section.rows == [("r1 (this)", "10.0.0.1:50051", "yes", "2", "w0, w1"),
+                            ("r2", "10.0.0.2:50051", "NO", "1", "w2")]
+    assert section in status_sections(fleet)

@@ -18,6 +18,14 @@ ingest path:
   sinks. At start it restores the monitor's baselines and open alerts from
   the store; it saves the baselines every ``store.save_interval_s``, soon
   after an alert opens or resolves, and at shutdown.
+
+Several replicas (``state: {backend: redis}``) share their alerts through
+``DriftAlerting.fleet`` (:class:`controller.fleet.alerts.FleetAlerts`, duck-typed
+here so this module needs no Redis client): events this replica originates
+also go to the fleet's log; events other replicas originate come back through
+:meth:`DriftAlerting.mirror` into the local store and the WatchAlerts streams
+(not the sinks: the replica that originated an event ran them); history and
+acknowledgements are read fleet-wide.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from controller.alerts.store import StateStore
 from controller.config import AlertSettings, ServerConfig
 from controller.drift.alerts import DriftAlert, Status
 from controller.drift.monitor import AcceptanceDriftMonitor, MonitorConfig
-from controller.protocol import RequestRow
+from controller.protocol import TYPICAL, RequestRow
 from protos.speculation.v1 import controller_pb2
 
 log = logging.getLogger("specctl.alerting")
@@ -120,6 +128,8 @@ class MonitorFeed:
         kept = []
         crc32 = zlib.crc32
         for j, row in enumerate(rows):
+            if row.acceptance_rule == TYPICAL:
+                continue  # relaxed acceptance (a class's rule) is kept out of drift detection
             if threshold < HASH_SPACE and crc32(row.request_id.encode()) >= threshold:
                 continue
             if requests is None:
@@ -330,6 +340,8 @@ class DriftAlerting:
         self._last_save = time.monotonic()
         self._closed = False  # no new watches, no more ticks
         self._stopped = False  # closed: saved, sinks done, store closed
+        # Alerts shared with other replicas (see the module docstring); None: this controller alone.
+        self.fleet: Any = None
         monitor.listeners.append(self._publish)
 
     @classmethod
@@ -370,12 +382,11 @@ class DriftAlerting:
         """Monitor listener (and acknowledgements): store, watchers, sinks."""
         self.counts[event] += 1
         data = alert.to_dict()
-        self.store.record_event(event, data, self.clock())
-        msg = alert_to_proto(alert, event)
-        for watcher in list(self.watchers):
-            if not watcher.offer(msg):
-                self.counts["watchers_overflowed"] += 1
-                log.warning("a WatchAlerts stream fell %d events behind and is ended", self.watch_queue_size)
+        at = self.clock()
+        self.store.record_event(event, data, at)
+        if self.fleet is not None:
+            self.fleet.record(event, data, at)
+        self._offer(alert_to_proto(alert, event))
         for sink in self.sinks:
             try:
                 sink.emit(event, data)
@@ -385,9 +396,24 @@ class DriftAlerting:
         if event != "acknowledged":
             self._save_due = True  # an alert names its stratum: its baseline must be in the store too
 
+    def _offer(self, msg: controller_pb2.DriftAlert) -> None:
+        for watcher in list(self.watchers):
+            if not watcher.offer(msg):
+                self.counts["watchers_overflowed"] += 1
+                log.warning("a WatchAlerts stream fell %d events behind and is ended", self.watch_queue_size)
+
+    def mirror(self, event: str, alert: DriftAlert, at: float) -> None:
+        """An event another replica originated: into the local store (history survives a Redis outage
+        and a restart) and to the WatchAlerts streams; the sinks ran where it was originated."""
+        self.counts["mirrored_" + event] += 1
+        self.store.record_event(event, alert.to_dict(), at)
+        self._offer(alert_to_proto(alert, event))
+
     async def acknowledge(self, alert_id: str, by: str) -> DriftAlert | None:
         """Record that ``by`` has taken the alert; ``None`` if no such alert. A second ack changes nothing."""
         alert = self.monitor.alerts.get(alert_id)
+        if alert is None and self.fleet is not None:
+            alert = await self.fleet.find(alert_id)  # another replica's, maybe not mirrored here yet
         if alert is None:
             stored = await asyncio.wrap_future(self.store.alert(alert_id))
             if stored is None:
@@ -413,11 +439,22 @@ class DriftAlerting:
 
     async def existing(self, include_history: bool = False, open_only: bool = False,
                        drafter_version: str = "") -> list[DriftAlert]:
-        """Alerts known now, oldest first: the monitor's, plus the store's history when asked."""
+        """Alerts known now, oldest first: the monitor's, plus the store's history when asked.
+
+        With a fleet: the fleet's alerts this replica has seen too, and the history is the fleet's laid
+        over the local store's (which mirrors what this replica saw: it still answers while the fleet
+        store does not, and keeps what a Redis that lost its data forgot)."""
         known: dict[str, DriftAlert] = {}
         if include_history:
-            for d in await asyncio.wrap_future(self.store.alerts(open_only, drafter_version)):
+            # With a fleet, resolved ones too: the fleet's "resolved" must replace a local "open" it missed.
+            stored = open_only and self.fleet is None
+            for d in await asyncio.wrap_future(self.store.alerts(stored, drafter_version)):
                 known[d["id"]] = DriftAlert.from_dict(d)
+            history = await self.fleet.history(False, drafter_version) if self.fleet is not None else None
+            for d in history or ():
+                known[d["id"]] = DriftAlert.from_dict(d)
+        if self.fleet is not None:
+            known.update(self.fleet.seen())
         known.update(self.monitor.alerts)  # the live objects are the newest
         alerts = [a for a in known.values()
                   if (not open_only or a.is_open) and (not drafter_version or a.drafter_version == drafter_version)]

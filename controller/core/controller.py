@@ -16,17 +16,20 @@ from collections import Counter
 from typing import Callable
 
 from controller.config import ServerConfig
+from controller.core.classes import ClassTracker
 from controller.core.ingest import AcceptanceBatch, apply_step
 from controller.core.plans import PlanDesk
 from controller.core.state import LoadTracker, WorkerState
 from controller.models.acceptance import AcceptanceModel, AcceptancePrior
 from controller.models.cost import CostParams, StepCostModel
 from controller.protocol import (
+    ACCEPTANCE_RULE_OF,
     MAX_BATCH_SIZE,
     Invalid,
     R,
     RequestRow,
     drafter_limits,
+    class_plans,
     plan_to_proto,
     validate_finished,
     validate_hello,
@@ -56,6 +59,14 @@ class Controller:
             max_evidence=a.max_evidence,
             prior=AcceptancePrior(rank1_mean=a.prior_rank1_mean, strength=a.prior_strength),
         )
+        # Acceptance under the typical rule (request classes that allow it), kept apart:
+        # relaxed acceptance must not inflate the strict model nor look like drift.
+        self.acceptance_typical = AcceptanceModel(
+            self.context_edges,
+            half_life_s=a.half_life_s,
+            max_evidence=a.max_evidence,
+            prior=AcceptancePrior(rank1_mean=a.prior_rank1_mean, strength=a.prior_strength),
+        )
         self.plans = PlanDesk(self)
         self.workers: dict[str, WorkerState] = {}
         self.rejections: Counter = Counter()
@@ -68,6 +79,13 @@ class Controller:
         # Same, with the step's validated request rows: cheaper than reading the proto again.
         self.on_step_rows: list[Callable[[WorkerState, worker_pb2.StepReport, list[RequestRow]], None]] = []
         self.on_hello: list[Callable[[WorkerState], None]] = []  # after every accepted Hello
+        self.on_disconnect: list[Callable[[WorkerState], None]] = []  # its stream ended, or it went idle
+        # Shared state of several replicas (controller.fleet.replica) plugs in here; None: one controller.
+        # cost_prior(hello): a fitted starting point for a new worker's cost model, or None (the roofline one).
+        self.cost_prior: Callable[[worker_pb2.Hello], CostParams | None] | None = None
+        # first_plan_hold(state): True while a worker's first plan should wait (the fleet's statistics
+        # for its drafter version are on their way); plans.PlanDesk asks before it plans a first time.
+        self.first_plan_hold: Callable[[WorkerState], bool] | None = None
         # (worker id, drafter kind, drafter version) -> WorkerState.accept_counts
         self.accept_counts: dict[tuple[str, str, str], dict[tuple[int, int, int], int]] = {}
 
@@ -98,10 +116,15 @@ class Controller:
     def _register(self, hello: worker_pb2.Hello, limits, previous: WorkerState | None) -> WorkerState:
         """A new state: a new worker, or a new drafter (or model) on a known one."""
         hw = hello.hardware
-        prior = CostParams.from_hardware(hw.memory_bandwidth_gb_s, hw.peak_tflops, hw.weight_bytes,
-                                         hw.kv_bytes_per_token, hw.params)
+        prior = self.cost_prior(hello) if self.cost_prior is not None else None
+        if prior is None:
+            prior = CostParams.from_hardware(hw.memory_bandwidth_gb_s, hw.peak_tflops, hw.weight_bytes,
+                                             hw.kv_bytes_per_token, hw.params)
+        # Its traffic per class outlives a drafter roll-out (requests go on across it).
+        classes = previous.classes if previous is not None else ClassTracker(
+            self.policy.classes, len(self.context_edges), self.clock())
         state = WorkerState(hello=hello, limits=limits, cost=StepCostModel(prior=prior),
-                            load=LoadTracker(len(self.context_edges)))
+                            load=LoadTracker(len(self.context_edges)), classes=classes)
         # The forwards it timed at start-up shape the cost curve before any traffic
         # (each weighs `repeats` observations; pairs: every token attends to its row's context).
         state.cost.calibrate((c.batch_tokens, c.kv_tokens, c.kv_tokens * c.batch_tokens / c.batch_size,
@@ -117,6 +140,8 @@ class Controller:
         state.session.connected = False
         state.plans.pending.clear()
         state.session.disconnected_at = self.clock()
+        for hook in self.on_disconnect:
+            hook(state)
 
     def seen(self, state: WorkerState, kind: int) -> None:
         """Any message or Decide from the worker: it is alive (a Decide-only
@@ -173,7 +198,7 @@ class Controller:
         now = self.clock()
         rejections = []
         state.counters.steps_received += len(reports.steps)
-        batch = AcceptanceBatch()
+        batch, typical = AcceptanceBatch(), AcceptanceBatch()
         finished_ids = state.requests.finished_ids
         max_batch = state.hello.max_batch_size or MAX_BATCH_SIZE
         keep_requests = self.policy.wants_request_outcomes
@@ -188,17 +213,27 @@ class Controller:
             except Invalid as err:
                 rejections.append(self.reject(state, err))
                 continue
-            apply_step(state, step, rows, batch, self.acceptance, self.context_edges, keep_requests,
+            apply_step(state, step, rows, batch, typical, self.context_edges, keep_requests,
                        self.config.max_active_requests, now)
             for hook in self.on_step:
                 hook(state, step)
             for hook in self.on_step_rows:
                 hook(state, step, rows)
-        batch.apply(state, self.acceptance, now)
-        if now - self._last_tick >= 1.0:
-            self.acceptance.tick(now)
-            self._last_tick = now
+        batch.apply(state, self.acceptance, now, state.accept_counts)
+        typical.apply(state, self.acceptance_typical, now, None)
+        self.tick_acceptance(now)
         return rejections
+
+    def tick_acceptance(self, now: float) -> bool:
+        """Decay both acceptance models if a second has passed since they last were; True if they were.
+        Ingest calls it; a replica sharing state also calls it before each merge, so that evidence its
+        workers added just before they fell silent is folded into its pending delta and pushed."""
+        if now - self._last_tick < 1.0:
+            return False
+        self.acceptance.tick(now)
+        self.acceptance_typical.tick(now)
+        self._last_tick = now
+        return True
 
     def finished(self, state: WorkerState, msg: worker_pb2.RequestFinished) -> plan_pb2.Rejection | None:
         try:
@@ -237,7 +272,18 @@ class Controller:
             catch_up_owed=owed,
             max_batch_size=state.hello.max_batch_size or 256,
             padded_verify=state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED,
+            classes=self.policy.classes,
+            class_load=state.classes.class_load(now),
+            active_classes=dict(requests.request_class),
+            acceptance_typical=self.typical_view(state),
         )
+
+    def typical_view(self, state: WorkerState):
+        """The typical rule's acceptance for the worker's drafter; None before
+        any request-step verified with it (``view`` would make empty strata)."""
+        if state.drafter_key not in self.acceptance_typical.keys():
+            return None
+        return self.acceptance_typical.view(state.drafter_key, state.limits.max_depth, state.limits.max_width)
 
     def plan_updates(self, state: WorkerState, force: bool = False) -> list[plan_pb2.Plan | plan_pb2.RequestDecisions]:
         """What to push to ``state``'s worker now (see :mod:`controller.core.plans`)."""
@@ -252,14 +298,18 @@ class Controller:
     def use(self, state: WorkerState, version: int) -> None:
         self.plans.use(state, version)
 
-    def decide(self, state: WorkerState, request_id: str, context_len: int, batch_size: int) -> Decision:
-        return self.plans.decide(state, request_id, context_len, batch_size)
+    def decide(self, state: WorkerState, request_id: str, context_len: int, batch_size: int,
+               request_class: str = "") -> Decision:
+        """One request's decision from the current plan, from its class's table
+        (empty or unknown ``request_class``: the default class; unknown counted)."""
+        return self.plans.decide(state, request_id, context_len, batch_size, request_class)
 
     def set_policy(self, policy: Policy) -> None:
         """Swap the policy; every worker's policy state restarts and gets a new plan."""
         self.policy = policy
         for state in self.workers.values():
             state.plans.policy_state = policy.initial_state(seed=_stable_seed(state.worker_id))
+            state.classes.configure(policy.classes)
             state.plans.last_decide_at = float("-inf")
             state.plans.force_push = True
         self.policy_reloads += 1
@@ -313,11 +363,36 @@ class Controller:
             last_nack_reason=ledger.last_nack_reason,
             steps_received=counters.steps_received,
         )
-        view = self.acceptance.view(state.drafter_key, state.limits.max_depth, state.limits.max_width)
+        self._strata(ws.acceptance, self.acceptance.view(state.drafter_key, state.limits.max_depth,
+                                                         state.limits.max_width), state)
+        typical = self.typical_view(state)
+        if typical is not None:
+            self._strata(ws.acceptance_typical, typical, state)
+        ws.unknown_class_request_steps = counters.unknown_class_request_steps
+        ws.unknown_class_queries = counters.unknown_class_queries
+        ws.typical_violations = counters.typical_violations
+        for c in state.classes.summaries(self.clock()):
+            spec = c.spec
+            ws.classes.add(
+                name=c.name, is_default=c.is_default, weight=spec.weight, tpot_target_ms=spec.tpot_target_ms or 0.0,
+                tpot_quantile=spec.tpot_quantile, acceptance_rule=ACCEPTANCE_RULE_OF[spec.acceptance],
+                share=c.share, tpot_ms_p50=c.tpot_ms_p50, tpot_ms_p99=c.tpot_ms_p99, tpot_requests=c.tpot_requests,
+                tau=c.tau, spec_fraction=c.spec_fraction, tokens_per_step=c.tokens_per_step,
+                step_ms_mean=c.step_ms_mean, mean_context_len=c.mean_context_len, request_steps=c.request_steps,
+                tokens=c.tokens, typical_request_steps=c.typical_request_steps)
+        if ledger.in_force is not None:  # the plan the worker acknowledged, not one merely sent
+            classes = ledger.in_force_classes
+            ws.plan.CopyFrom(plan_to_proto(ledger.in_force.table, ledger.acked_version, "", self.policy.name,
+                                           ledger.last_push_at, ledger.in_force.expected_goodput_tok_s,
+                                           class_plans(classes, ledger.in_force), classes.default))
+        return ws
+
+    def _strata(self, out, view, state: WorkerState) -> None:
+        """``StratumAcceptance`` entries of ``view`` appended to ``out``."""
         kind = state.hello.drafter.kind
         for c, lo in enumerate(self.context_edges):
             alpha = view.chain_alpha(c)
-            ws.acceptance.add(
+            out.add(
                 drafter_kind=kind,
                 drafter_version=state.limits.version,
                 context_len_min=lo,
@@ -326,10 +401,6 @@ class Controller:
                 effective_samples=view.effective_samples(c).tolist(),
                 expected_accepted_chain=expected_chain_accepted(alpha),
             )
-        if ledger.in_force is not None:  # the plan the worker acknowledged, not one merely sent
-            ws.plan.CopyFrom(plan_to_proto(ledger.in_force.table, ledger.acked_version, "", self.policy.name,
-                                           ledger.last_push_at, ledger.in_force.expected_goodput_tok_s))
-        return ws
 
 
 def _stable_seed(text: str) -> int:

@@ -1,11 +1,19 @@
 """Applying one validated step to a worker's state.
 
-A step feeds four things: the worker's cost model (what the forward
+A step feeds five things: the worker's cost model (what the forward
 computed and how long it took), its load (batch, context mix, tokens per
-step), its requests in flight, and the acceptance model of its drafter
+step), its requests in flight, its traffic per request class
+(:mod:`controller.core.classes`) and the acceptance model of its drafter
 version. Acceptance evidence of a whole ``StepReports`` message is gathered
 in an :class:`AcceptanceBatch` and applied once, so a 64-step message costs
 one pass over the posteriors, not 64.
+
+Acceptance rules: a request-step verified with the typical rule
+(``ACCEPTANCE_RULE_TYPICAL``) accepts more than the strict rule would, so its
+outcome goes to a second model (``typical``: same strata, same drafter key)
+and never to the strict one, nor to ``accept_counts`` (the strict per-position
+counts the status page and metrics show). One reported for a class the
+policy keeps strict is a violation: counted, and its acceptance not used.
 """
 
 from __future__ import annotations
@@ -13,9 +21,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
+from controller.core.classes import TPOT_MAX_REQUESTS
 from controller.core.state import WorkerState
 from controller.models.acceptance import AcceptanceModel, offer_slots
-from controller.protocol import RequestRow
+from controller.protocol import TYPICAL, RequestRow
 from policies.base import RequestOutcome, StepOutcome
 from protos.speculation.v1 import worker_pb2
 
@@ -27,37 +36,51 @@ class AcceptanceBatch:
     chains: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (bucket, depth, τ) -> request-steps
     # (bucket, level, rank) -> [asked, offered]
     offers: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)
+    # Tree outcomes (accepted_rank given): (bucket, ranks, candidates), and their (bucket, depth, τ) counts.
+    trees: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    tree_counts: dict[tuple[int, int, int], int] = field(default_factory=dict)
 
-    def apply(self, state: WorkerState, acceptance: AcceptanceModel, now: float) -> None:
-        if not self.chains and not self.offers:
+    def apply(self, state: WorkerState, acceptance: AcceptanceModel, now: float, tally: dict | None) -> None:
+        """Into ``acceptance``'s strata of the worker's drafter; (bucket, depth,
+        τ) counts also into ``tally`` (``state.accept_counts`` for the strict
+        rule's batch; None for the typical one's)."""
+        if not self.chains and not self.offers and not self.trees:
             return
         limits = state.limits
         posteriors = acceptance.strata(state.drafter_key, limits.max_depth, limits.max_width, now)
-        tally = state.accept_counts
+        for bucket, ranks, cands in self.trees:
+            posteriors[bucket].observe(ranks, cands)
         for key, count in self.chains.items():
             bucket, depth, accepted = key
             posteriors[bucket].observe_chain(depth, accepted, count)
-            tally[key] = tally.get(key, 0) + count
         for (bucket, level, rank), (asked, offered) in self.offers.items():
             posteriors[bucket].observe_offers(asked, offered, level, rank)
+        if tally is not None:
+            for counts in (self.chains, self.tree_counts):
+                for key, count in counts.items():
+                    tally[key] = tally.get(key, 0) + count
 
 
 def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[RequestRow], batch: AcceptanceBatch,
-               acceptance: AcceptanceModel, context_edges: tuple[int, ...], keep_requests: bool, max_active: int,
+               typical: AcceptanceBatch, context_edges: tuple[int, ...], keep_requests: bool, max_active: int,
                now: float) -> None:
-    """Fold one validated step into ``state`` (acceptance chains into ``batch``)."""
+    """Fold one validated step into ``state``: acceptance evidence into
+    ``batch`` (strict rule) or ``typical`` (typical rule, relaxed classes)."""
     load, requests = state.load, state.requests
     counts, sums = load.context_counts, load.context_sums
-    active, drafted_through = requests.active, requests.drafted_through
-    chains, offers = batch.chains, batch.offers
+    active, drafted_through, request_class = requests.active, requests.drafted_through, requests.request_class
+    resolve = state.classes.resolve
+    counters = state.counters
     outcomes = []
     unreported = step.batch_size - len(rows)  # requests not reported decode one token each
     batch_tokens = tokens = unreported
     kv_tokens = max_depth = total_nodes = level_kv = attn_pairs = caught_up = 0
-    posteriors = None
+    draft_ms, verify_ms, size = step.draft_ms, step.verify_ms, step.batch_size
+    catch_up_ms = step.catch_up_ms
+    step_ms = draft_ms + verify_ms + catch_up_ms  # every request of the step waits for all of it
     for row in rows:
         (rid, ctx, depth, width, nodes, accepted, ranks, cands, requested, requested_width, requested_nodes,
-         caught) = row
+         caught, name, rule) = row
         caught_up += caught
         if requested or depth:
             drafted_through[rid] = ctx + accepted + 1
@@ -69,41 +92,77 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
         c = bisect_right(context_edges, ctx) - 1  # edges start at 0, so c >= 0
         counts[c] += 1.0
         sums[c] += ctx
-        if requested:
-            tally = offers.get((c, 0, 0))
-            if tally is None:
-                tally = offers[(c, 0, 0)] = [0, 0]
-            tally[0] += 1
-            tally[1] += depth > 0
-            if requested_width * requested > 1:  # slots past a draft at all
-                for level, rank, offered in offer_slots(depth, accepted, nodes, ranks, cands, requested,
-                                                        requested_width, requested_nodes):
-                    tally = offers.setdefault((c, level, rank), [0, 0])
-                    tally[0] += 1
-                    tally[1] += offered
+        # Its class: load, step means and its TPOT so far.
+        cs = resolve.get(name)
+        if cs is None:
+            cs = state.classes.unknown(name)
+            counters.unknown_class_request_steps += 1
+        cs.steps += 1.0
+        cs.tokens += 1 + accepted
+        cs.step_ms += step_ms
+        cs.ctx_counts[c] += 1.0
+        cs.ctx_sums[c] += ctx
+        if depth:
+            cs.drafted += 1.0
+            cs.accepted += accepted
+        latency = cs.requests.get(rid)
+        if latency is None:
+            latency = cs.requests[rid] = [0.0, 0, now, 0]
+            if len(cs.requests) > TPOT_MAX_REQUESTS:
+                cs.requests.popitem(last=False)
+        else:
+            cs.requests.move_to_end(rid)
+        latency[0] += step_ms
+        latency[1] += 1 + accepted
+        latency[2] = now
+        latency[3] += 1
+        request_class[rid] = cs.name
+        # Its acceptance: the strict model, the typical one, or (a violation) neither.
+        sink = batch
+        if rule == TYPICAL:
+            cs.typical += 1.0
+            if cs.relaxed:
+                sink = typical
+                counters.typical_request_steps += 1
+            else:
+                sink = None
+                counters.typical_violations += 1
+        if sink is not None:
+            if requested:
+                offers = sink.offers
+                tally = offers.get((c, 0, 0))
+                if tally is None:
+                    tally = offers[(c, 0, 0)] = [0, 0]
+                tally[0] += 1
+                tally[1] += depth > 0
+                if requested_width * requested > 1:  # slots past a draft at all
+                    for level, rank, offered in offer_slots(depth, accepted, nodes, ranks, cands, requested,
+                                                            requested_width, requested_nodes):
+                        tally = offers.setdefault((c, level, rank), [0, 0])
+                        tally[0] += 1
+                        tally[1] += offered
+            if depth:
+                key = (c, depth, accepted)
+                if ranks is None:
+                    chains = sink.chains
+                    chains[key] = chains.get(key, 0) + 1
+                else:
+                    sink.trees.append((c, ranks, cands))
+                    trees = sink.tree_counts
+                    trees[key] = trees.get(key, 0) + 1
         if depth:
             level_kv += depth * ctx
             if depth > max_depth:
                 max_depth = depth
-            if ranks is None:
-                key = (c, depth, accepted)
-                chains[key] = chains.get(key, 0) + 1
-            else:
-                if posteriors is None:
-                    limits = state.limits
-                    posteriors = acceptance.strata(state.drafter_key, limits.max_depth, limits.max_width, now)
-                posteriors[c].observe(ranks, cands)
-                key = (c, depth, accepted)
-                state.accept_counts[key] = state.accept_counts.get(key, 0) + 1
         if rid in active:
             active.move_to_end(rid)
         active[rid] = ctx
         if keep_requests:
-            outcomes.append(RequestOutcome(rid, ctx, depth, width, nodes, accepted))
+            outcomes.append(RequestOutcome(rid, ctx, depth, width, nodes, accepted, name))
     while len(active) > max_active:
-        drafted_through.pop(active.popitem(last=False)[0], None)
-    draft_ms, verify_ms, size = step.draft_ms, step.verify_ms, step.batch_size
-    catch_up_ms = step.catch_up_ms
+        gone = active.popitem(last=False)[0]
+        drafted_through.pop(gone, None)
+        request_class.pop(gone, None)
     if caught_up:
         state.cost.observe_catch_up(caught_up, catch_up_ms)
     if state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED:  # what the forward really computed
@@ -113,12 +172,10 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
                             attn_pairs)
     requests.recent_steps.append(
         StepOutcome(step.step_id, step.timestamp, size, draft_ms, verify_ms, tuple(outcomes), tokens, catch_up_ms))
-    step_ms = draft_ms + verify_ms + catch_up_ms
     load.observe_step(size, tokens, step_ms, first=state.steps_ingested == 0)
     state.session.last_step_id = step.step_id
     state.session.last_report_at = now
     state.steps_ingested += 1
-    counters = state.counters
     counters.steps_total += 1
     counters.tokens_total += tokens
     counters.step_ms_total += step_ms

@@ -5,6 +5,14 @@ speculation.v1 (as Envoy's xDS does it) over a worker's :class:`PlanLedger`.
   model-based policies, when its estimated goodput clears the hysteresis
   (both tables judged under today's estimates); never more often than
   ``min_push_interval_s``. Per-request overrides go out as their diff.
+- With request classes (a policy file with ``classes:``) a plan carries one
+  table per class (``Plan.classes``) and is a new plan when any of them
+  changed. For a model-based policy both plans are then judged as the
+  goodput policy solves (:func:`policies.goodput.class_plan_estimate`: one
+  step shared by every class's requests, each class's own acceptance):
+  meeting every TPOT target beats missing one; otherwise the weighted
+  goodput (both meet) or the worst TPOT / target (both miss) must clear the
+  hysteresis.
 - An ACK of a Plan makes it the plan in force; a unary worker acknowledges
   by deciding from it. A NACK returns the controller's view to the plan in
   force, and the refused table is not sent again before the next Hello.
@@ -18,9 +26,10 @@ import secrets
 from typing import TYPE_CHECKING
 
 from controller.core.state import PlanLedger, SentPlan, WorkerState
-from controller.protocol import Invalid, R, decision_to_proto, plan_to_proto
+from controller.protocol import Invalid, R, class_plans, decision_to_proto, plan_to_proto
 from policies.base import Observation, PlanDraft
-from policies.goodput import table_goodput
+from policies.classes import ClassSet
+from policies.goodput import class_plan_estimate, table_goodput
 from policies.table import Decision
 from protos.speculation.v1 import plan_pb2, worker_pb2
 
@@ -63,6 +72,8 @@ class PlanDesk:
             return []
         if ledger.current is None and state.steps_ingested < settings.steps_before_first_plan and not force:
             return []
+        if ledger.current is None and ctl.first_plan_hold is not None and ctl.first_plan_hold(state):
+            return []  # a replica awaiting the fleet's statistics for this drafter (bounded by the hold)
         draft, obs = self.run_policy(state, now)
         ledger.force_push = False
         now = ctl.clock()  # push latency is counted from here, after the policy ran
@@ -76,12 +87,14 @@ class PlanDesk:
 
     def send_table(self, state: WorkerState, draft: PlanDraft, now: float) -> plan_pb2.Plan:
         ledger = state.plans
+        classes = self.ctl.policy.classes
         ledger.plan_version += 1
         nonce = secrets.token_hex(8)
         plan = plan_to_proto(draft.table, ledger.plan_version, nonce, self.ctl.policy.name, now,
-                             draft.expected_goodput_tok_s)
-        ledger.track(SentPlan(plan.version, nonce, draft, now, "plan"))
+                             draft.expected_goodput_tok_s, class_plans(classes, draft), classes.default)
+        ledger.track(SentPlan(plan.version, nonce, draft, now, "plan", classes))
         ledger.current = draft
+        ledger.current_classes = classes
         ledger.current_version = plan.version
         ledger.last_push_at = now
         state.counters.plans_pushed += 1
@@ -89,11 +102,13 @@ class PlanDesk:
 
     def _should_push_table(self, state: WorkerState, draft: PlanDraft, obs: Observation, force: bool) -> bool:
         ledger = state.plans
-        if ledger.refused_table is not None and draft.table == ledger.refused_table:
-            return False  # the worker said no to this table; wait for a different one (or its next Hello)
+        classes = self.ctl.policy.classes
+        key = plan_key(draft, classes)
+        if ledger.refused_table is not None and key == ledger.refused_table:
+            return False  # the worker said no to these tables; wait for different ones (or its next Hello)
         if ledger.current is None or force:
             return True
-        if draft.table == ledger.current.table:
+        if key == plan_key(ledger.current, ledger.current_classes):
             return False
         if obs.now - ledger.last_push_at < self.ctl.config.plan.min_push_interval_s:
             return False
@@ -105,7 +120,10 @@ class PlanDesk:
         # for dozens of steps, and a stale row of the old table runs meanwhile.
         batches = {max(1.0, obs.load.mean_batch_size), float(max(1, state.load.last_batch_size))}
         margin = 1.0 + self.ctl.config.plan.hysteresis
-        return any(table_goodput(draft.table, obs, b) > table_goodput(ledger.current.table, obs, b) * margin
+        if classes.single or ledger.current_classes != classes or obs.classes != classes:
+            return any(table_goodput(draft.table, obs, b) > table_goodput(ledger.current.table, obs, b) * margin
+                       for b in batches)
+        return any(class_plan_estimate(draft, obs, b).better_than(class_plan_estimate(ledger.current, obs, b), margin)
                    for b in batches)
 
     def _override_diff(self, state: WorkerState, draft: PlanDraft, now: float) -> plan_pb2.RequestDecisions | None:
@@ -132,16 +150,24 @@ class PlanDesk:
         state.counters.decisions_pushed += 1
         return msg
 
-    def decide(self, state: WorkerState, request_id: str, context_len: int, batch_size: int) -> Decision:
+    def decide(self, state: WorkerState, request_id: str, context_len: int, batch_size: int,
+               request_class: str = "") -> Decision:
         """One request's decision from the current plan (planned now if there
-        is none yet: it then goes out as version 1 like any other plan)."""
+        is none yet: it then goes out as version 1 like any other plan), from
+        its class's table; a class the plan does not name is the default
+        class, counted."""
         ledger = state.plans
         override = ledger.sent_overrides.get(request_id)
         if override is not None:
             return override
         if ledger.current is None:
             self.send_table(state, self.run_policy(state, self.ctl.clock())[0], self.ctl.clock())
-        return ledger.current.table.lookup(batch_size, context_len)
+        classes = ledger.current_classes
+        if request_class and not classes.known(request_class):
+            state.counters.unknown_class_queries += 1
+        if classes.single:
+            return ledger.current.table.lookup(batch_size, context_len)
+        return ledger.current.table_for(classes.get(request_class).name).lookup(batch_size, context_len)
 
     # ----------------------------------------------------------------- in
     def ack(self, state: WorkerState, msg: worker_pb2.Ack) -> plan_pb2.Rejection | None:
@@ -178,10 +204,11 @@ class PlanDesk:
         ledger.last_nack_reason = msg.reason
         log.warning("worker %s refused plan %d: %s", state.worker_id, msg.version, msg.reason)
         if sent.kind == "plan":
-            ledger.refused_table = sent.draft.table
+            ledger.refused_table = plan_key(sent.draft, sent.classes)
             if msg.version == ledger.current_version:
                 # Our view returns to what the worker runs: the last plan it acked.
                 ledger.current = ledger.in_force
+                ledger.current_classes = ledger.in_force_classes
                 ledger.current_version = ledger.acked_version if ledger.in_force is not None else 0
         else:
             # The overrides it refused are not in force: forget them so they are offered again on change.
@@ -198,9 +225,16 @@ class PlanDesk:
             # had the id): it gets ours again at once, and its overrides with it.
             ledger.resend = True
             ledger.sent_overrides = {}
+        if ledger.current is not None and running > ledger.current_version:
+            # It decodes on a plan another replica made (it failed over and came back):
+            # ours is stale, and unless our next table differed we would never push it
+            # one. Plan it afresh, as a newcomer (push_due_plans serves those first).
+            ledger.current = None
+            ledger.sent_overrides = {}
         if running != ledger.acked_version:  # what it runs now is what it says it runs
             known = ledger.current is not None and running == ledger.current_version
             ledger.in_force = ledger.current if known else None  # None: its fallback, or a table we never made
+            ledger.in_force_classes = ledger.current_classes
             ledger.acked_version = running
         # Versions only move forward, also across controller restarts: the
         # worker tells us the plan it runs and the next one must be newer.
@@ -208,7 +242,16 @@ class PlanDesk:
         ledger.refused_table = None  # a new session may accept what the last one refused
 
 
+def plan_key(draft: PlanDraft, classes: ClassSet) -> tuple:
+    """What makes two plans the same plan: the table, and each class's table and rule."""
+    if classes.single:
+        return (draft.table,)
+    return (draft.table, classes.default,
+            tuple((c, draft.table_for(c.name)) for c in classes))
+
+
 def _applied(ledger: PlanLedger, sent: SentPlan) -> None:
     if sent.kind == "plan" and sent.version > ledger.acked_version:
         ledger.acked_version = sent.version
         ledger.in_force = sent.draft
+        ledger.in_force_classes = sent.classes

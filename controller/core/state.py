@@ -13,6 +13,9 @@ fitted cost model and five parts that change for different reasons:
   awaiting an ACK, and when the policy ran;
 - :class:`Counters` — running totals for metrics; they survive a
   re-registration (a drafter roll-out makes a new ``WorkerState``).
+
+Its traffic per request class (:class:`~controller.core.classes.ClassTracker`)
+survives a re-registration too: requests and their latency outlive a drafter.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from controller.core.classes import ClassTracker
 from controller.models.cost import StepCostModel
 from policies.base import DrafterLimits, LoadProfile, PlanDraft
+from policies.classes import SINGLE, ClassSet
 from protos.speculation.v1 import controller_pb2, worker_pb2
 
 RECENT_STEPS = 512  # steps buffered for the policy between two decide() calls
@@ -44,6 +49,7 @@ class SentPlan:
     draft: PlanDraft
     sent_at: float
     kind: str  # "plan" | "request_decisions"
+    classes: ClassSet = SINGLE  # the request classes the plan went out with
 
 
 @dataclass
@@ -129,6 +135,8 @@ class RequestTracker:
     # Request id -> tokens its drafter had seen after the request's last drafting
     # step: a drafter that catches up (EAGLE) owes it the rest of its context.
     drafted_through: dict[str, int] = field(default_factory=dict)
+    # Request id -> its class (resolved: unknown names are the default class), for active ones.
+    request_class: dict[str, str] = field(default_factory=dict)
     finished_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     recent_finished: deque = field(default_factory=lambda: deque(maxlen=RECENT_FINISHED))
@@ -136,6 +144,7 @@ class RequestTracker:
     def finish(self, request_id: str) -> None:
         del self.active[request_id]
         self.drafted_through.pop(request_id, None)
+        self.request_class.pop(request_id, None)
         self.finished_ids[request_id] = None
         while len(self.finished_ids) > FINISHED_IDS:
             self.finished_ids.popitem(last=False)
@@ -152,10 +161,13 @@ class PlanLedger:
     current: PlanDraft | None = None
     current_version: int = 0  # the Plan version ``current`` went out as
     in_force: PlanDraft | None = None  # the last Plan the worker acknowledged
+    # The request classes each of those two plans went out with (a reload may change them).
+    current_classes: ClassSet = SINGLE
+    in_force_classes: ClassSet = SINGLE
     acked_version: int = 0
     pending: dict[int, SentPlan] = field(default_factory=dict)  # version -> unacknowledged
     last_nack_reason: str = ""
-    refused_table: Any = None  # a table the worker NACKed: not sent again until its next Hello
+    refused_table: Any = None  # tables the worker NACKed (plans.plan_key): not sent again until its next Hello
     resend: bool = False  # its Hello was behind ``current``: send it again under a new version
     force_push: bool = False  # e.g. after a policy reload
     last_push_at: float = float("-inf")
@@ -186,6 +198,13 @@ class Counters:
     plans_used: int = 0  # plans a Decide-only worker acknowledged by using them
     streams_superseded: int = 0
     rejections: Counter = field(default_factory=Counter)
+    # Request classes: names the policy does not know (served as the default class),
+    # in request-steps and in Decide queries; request-steps verified with the typical
+    # rule, used (a relaxed class) or a violation (a strict class: acceptance not used).
+    unknown_class_request_steps: int = 0
+    unknown_class_queries: int = 0
+    typical_request_steps: int = 0
+    typical_violations: int = 0
 
     def carry_from(self, previous: "Counters") -> None:
         for f in fields(self):
@@ -200,6 +219,7 @@ class WorkerState:
     limits: DrafterLimits
     cost: StepCostModel
     load: LoadTracker
+    classes: ClassTracker
     session: Session = field(default_factory=Session)
     requests: RequestTracker = field(default_factory=RequestTracker)
     plans: PlanLedger = field(default_factory=PlanLedger)

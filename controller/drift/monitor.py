@@ -94,6 +94,9 @@ from controller.drift.multitest import adjust
 from controller.drift.persistence import monitor_from_dict, monitor_to_dict
 from controller.drift.strata import PendingTest, Stratum, Version
 
+# speculation.v1 AcceptanceRule.ACCEPTANCE_RULE_TYPICAL (this package reads messages duck-typed, without the protos)
+ACCEPTANCE_RULE_TYPICAL = 2
+
 # MonitorConfig, DEFAULT_CONTEXT_EDGES and llr_weights have their own modules; they stay importable from here.
 __all__ = ["DEFAULT_CONTEXT_EDGES", "AcceptanceDriftMonitor", "MonitorConfig", "llr_weights"]
 
@@ -119,6 +122,19 @@ class AcceptanceDriftMonitor:
     listeners : list of callables
         Called as ``listener(event, alert)`` with event ``"opened"`` or
         ``"resolved"`` (the hook for WatchAlerts streams, logs and sinks).
+    arbiter : object or None
+        Several controller replicas watching the same drafter versions open
+        one alert per stratum between them, not one each. With an arbiter
+        (:class:`controller.fleet.replica.FleetAlerts`) a finding is first
+        offered to ``arbiter.claim(alert)``, which returns the alert to
+        attach to the stratum (the same one, perhaps renamed with a
+        fleet-wide id: announced as opened; another replica's open alert on
+        that stratum: attached quietly) or None (not now: the stratum stays
+        free and the arbiter may hand the finding back later through
+        :meth:`open_claimed`); and an alert is resolved only when
+        ``arbiter.may_resolve(alert)`` (the replica that owns it), else kept
+        and asked again at the stratum's next window. ``None``: one
+        controller decides alone.
 
     Examples
     --------
@@ -161,6 +177,7 @@ class AcceptanceDriftMonitor:
         self._next_id = 1
         self.alerts: OrderedDict[str, DriftAlert] = OrderedDict()
         self.listeners: list[Callable[[str, DriftAlert], None]] = []
+        self.arbiter: Any = None
         self.ert_cusum = config.ert / config.cusum_share
         self.ert_chi2 = config.ert / (1.0 - config.cusum_share)
         self.round_level = min(0.5, config.round_steps / self.ert_chi2)
@@ -172,12 +189,15 @@ class AcceptanceDriftMonitor:
 
         ``state`` needs ``limits`` (kind, version, max_depth, max_width,
         trained_context_len) and may have ``worker_id``; ``step`` needs
-        ``timestamp`` and ``requests`` (``RequestStep``-like).
+        ``timestamp`` and ``requests`` (``RequestStep``-like). Requests verified
+        with the typical rule (``acceptance_rule``) are skipped.
         """
         limits = state.limits
         now = float(getattr(step, "timestamp", 0.0) or 0.0) or self.clock()
         worker = getattr(state, "worker_id", "") or ""
         for r in step.requests:
+            if getattr(r, "acceptance_rule", 0) == ACCEPTANCE_RULE_TYPICAL:
+                continue  # relaxed acceptance is not the drafter's: a class's rule is no drift
             self.observe_request(limits, r.context_len, r.accepted, r.depth, r.accepted_rank, r.level_candidates,
                                  getattr(r, "domain", ""), now, worker)
 
@@ -285,7 +305,7 @@ class AcceptanceDriftMonitor:
         if s.alert is not None:
             matches = chi2.p_value >= self.config.resolve_p and s.window_llr <= 0.0
             s.quiet = s.quiet + 1 if matches else 0
-            if s.quiet >= self.config.resolve_windows:
+            if s.quiet >= self.config.resolve_windows and self._may_resolve(s.alert):
                 self._resolve(s.alert, now, "matches baseline again")
                 s.alert = None
                 s.quiet = 0
@@ -320,15 +340,34 @@ class AcceptanceDriftMonitor:
               extra: dict[str, Any]) -> None:
         alert = stratum_alert(self._new_id(), s, detector, statistic, p_value, p_adj, score, counts, delta, action,
                               first_seen, now, extra, self.config.retrain_threshold)
-        s.alert = alert
+        claimed = self._claim(alert)
+        if claimed is None:
+            return
+        s.alert = claimed
         s.quiet = 0
-        self._publish("opened", alert)
+        self._announce(alert, claimed)
+
+    def _claim(self, alert: DriftAlert) -> DriftAlert | None:
+        """The alert a finding attaches to its stratum (see ``arbiter``): itself without an arbiter."""
+        return alert if self.arbiter is None else self.arbiter.claim(alert)
+
+    def _announce(self, alert: DriftAlert, claimed: DriftAlert) -> None:
+        if claimed is alert:
+            self._publish("opened", alert)
+        else:  # another replica's alert on this stratum: tracked here, announced by its owner
+            self.alerts[claimed.id] = claimed
+
+    def _may_resolve(self, alert: DriftAlert) -> bool:
+        return self.arbiter is None or self.arbiter.may_resolve(alert)
 
     def _resolve(self, alert: DriftAlert, now: float, why: str) -> None:
         alert.status = Status.RESOLVED
         alert.resolved_at = float(now)
         alert.resolution = why
         self._publish("resolved", alert)
+        self._trim_history()
+
+    def _trim_history(self) -> None:
         resolved = [k for k, a in self.alerts.items() if not a.is_open]
         for k in resolved[: max(0, len(resolved) - self.config.max_history)]:
             del self.alerts[k]
@@ -368,14 +407,17 @@ class AcceptanceDriftMonitor:
             v.hot = v.cool = 0
         if v.extend_alert is None and v.hot >= cfg.share_windows:
             self._open_extend(v, share, counts, now)
-        elif v.extend_alert is not None and v.cool >= cfg.share_windows:
+        elif v.extend_alert is not None and v.cool >= cfg.share_windows and self._may_resolve(v.extend_alert):
             self._resolve(v.extend_alert, now, "traffic back within the trained context length")
             v.extend_alert = None
 
     def _open_extend(self, v: Version, share: float, counts: Counter, now: float) -> None:
         alert = extend_alert(self._new_id(), v, share, counts, now, self.config.beyond_share)
-        v.extend_alert = alert
-        self._publish("opened", alert)
+        claimed = self._claim(alert)
+        if claimed is None:
+            return
+        v.extend_alert = claimed
+        self._announce(alert, claimed)
 
     # -------------------------------------------------------------- versions
     def _version(self, limits: Any, worker_id: str, now: float) -> Version:
@@ -410,12 +452,16 @@ class AcceptanceDriftMonitor:
             self._retire(v, self.clock() if now is None else now, why)
 
     def _retire(self, v: Version, now: float, why: str) -> None:
+        # With an arbiter, an alert another replica owns is only let go here: the version left this
+        # replica's workers, not necessarily the fleet's.
         for s in v.strata.values():
             if s.alert is not None:
-                self._resolve(s.alert, now, why)
+                if self._may_resolve(s.alert):
+                    self._resolve(s.alert, now, why)
                 s.alert = None
         if v.extend_alert is not None:
-            self._resolve(v.extend_alert, now, why)
+            if self._may_resolve(v.extend_alert):
+                self._resolve(v.extend_alert, now, why)
             v.extend_alert = None
         for w in v.workers:
             if self._workers.get(w) == v.key:
@@ -447,6 +493,37 @@ class AcceptanceDriftMonitor:
         if number.isdigit():
             self._next_id = max(self._next_id, int(number) + 1)
         return True
+
+    def open_claimed(self, alert: DriftAlert) -> bool:
+        """Attach a finding the arbiter deferred and now grants, and announce it opened; False (nothing
+        announced) when its stratum is gone or already has an alert."""
+        if not alert.is_open or not self.adopt(alert):
+            return False
+        self._publish("opened", alert)
+        return True
+
+    def detach(self, alert_id: str, resolved: DriftAlert | None = None) -> bool:
+        """Let go of an alert another replica resolved: its stratum is watched again from now on, and the
+        kept copy takes ``resolved``'s status. True if a stratum held it."""
+        found = False
+        for v in self._versions.values():
+            if v.extend_alert is not None and v.extend_alert.id == alert_id:
+                v.extend_alert = None
+                v.hot = v.cool = 0
+                found = True
+            for s in v.strata.values():
+                if s.alert is not None and s.alert.id == alert_id:
+                    s.alert = None
+                    s.quiet = 0
+                    s.anchor_epoch = [-1] * len(s.anchor_epoch)
+                    found = True
+        kept = self.alerts.get(alert_id)
+        if kept is not None and resolved is not None:
+            kept.status, kept.resolved_at, kept.resolution = resolved.status, resolved.resolved_at, resolved.resolution
+            if kept.acked_at is None and resolved.acked_at is not None:
+                kept.acked_at, kept.acked_by = resolved.acked_at, resolved.acked_by
+            self._trim_history()
+        return found
 
     # ---------------------------------------------------------------- output
     def open_alerts(self) -> list[DriftAlert]:

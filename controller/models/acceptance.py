@@ -34,6 +34,15 @@ change of content or mix shifts acceptance at every position of the drafter
 alike — and cells with no data since the reference moved by more than
 :data:`STALE_CHANGE` keep at most :data:`STALE_EVIDENCE`, so Thompson
 probes re-test them soon. Well-tested cells follow their own data.
+
+Several controller replicas share one fleet posterior per stratum
+(:mod:`controller.fleet.acceptance_sync`). A posterior then carries a
+:class:`ShareLedger`: at every :meth:`StratumPosterior.decay` the evidence
+this replica added since the last one is folded into the ledger's pending
+delta (decayed like everything else), the carry's move of old evidence is
+kept apart as a local adjustment, and :meth:`StratumPosterior.install_shared`
+replaces the posterior by the fleet totals plus what is still only local.
+Without a ledger nothing of this runs.
 """
 
 from __future__ import annotations
@@ -61,13 +70,60 @@ CARRY_CHANGE = 0.02  # relative move of the reference that mostly-old cells foll
 CARRY_FRESH = 0.05  # new evidence per tick, as a share of a cell's old evidence, below which it follows
 STALE_CHANGE = 0.05  # relative move since an untested cell's last data that makes it uncertain again
 STALE_EVIDENCE = 50.0  # evidence (successes + failures) left in a cell made uncertain
+IDLE_CATCH_UP_S = 5.0  # fleet totals this far ahead of a posterior's last decay decay it there first
+
+
+class ShareLedger:
+    """What one stratum's posterior holds beyond the fleet totals it last installed.
+
+    Every array is flat (``depth × width``) and decayed to the posterior's
+    ``updated_at``, like its own evidence.
+
+    Attributes
+    ----------
+    pending_succ, pending_fail, pending_asked, pending_offered : np.ndarray
+        Evidence this replica's workers added since the last
+        :meth:`take_pending` (the delta the next merge pushes). Never
+        capped: the cap applies once, to the fleet totals.
+    carry_succ, carry_fail : np.ndarray
+        Signed sum of the carry's moves of old evidence (module docstring).
+        Each replica computes the carry from the same fleet view, so it is
+        kept local, never pushed (pushed, it would count once per replica),
+        and laid over the fleet totals at every install.
+    external_succ, external_fail : np.ndarray
+        Fleet evidence an install put among the fresh evidence since the last
+        decay: fresh to the carry's rules (other replicas just tested those
+        cells) but not this replica's to push.
+    old_asked, old_offered : np.ndarray
+        Offer counts right after the last decay or install, so that the
+        next decay can tell the offers added since.
+    """
+
+    __slots__ = ("pending_succ", "pending_fail", "pending_asked", "pending_offered", "carry_succ", "carry_fail",
+                 "external_succ", "external_fail", "old_asked", "old_offered")
+
+    def __init__(self, cells: int) -> None:
+        for name in self.__slots__:
+            setattr(self, name, np.zeros(cells))
+
+    def has_pending(self) -> bool:
+        """True if any evidence waits to be pushed."""
+        return bool(self.pending_succ.any() or self.pending_fail.any() or self.pending_asked.any())
+
+    def take_pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The pending delta ``(succ, fail, asked, offered)``; the ledger starts a new one."""
+        cells = len(self.pending_succ)
+        out = (self.pending_succ, self.pending_fail, self.pending_asked, self.pending_offered)
+        self.pending_succ, self.pending_fail = np.zeros(cells), np.zeros(cells)
+        self.pending_asked, self.pending_offered = np.zeros(cells), np.zeros(cells)
+        return out
 
 
 class StratumPosterior:
     """Posterior of one stratum: ``depth × width`` stick-breaking Beta cells."""
 
     __slots__ = ("prior_a", "prior_b", "succ", "fail", "max_depth", "max_width", "updated_at", "observations",
-                 "_old_succ", "_old_fail", "_anchor", "_carried", "asked", "offered")
+                 "_old_succ", "_old_fail", "_anchor", "_carried", "asked", "offered", "ledger")
 
     def __init__(self, max_depth: int, max_width: int, prior: AcceptancePrior, now: float | None) -> None:
         self.max_depth = max_depth
@@ -93,6 +149,7 @@ class StratumPosterior:
         # with). Cell (1, 1) counts request-steps that asked for a draft at all.
         self.asked = [0.0] * cells
         self.offered = [0.0] * cells
+        self.ledger: ShareLedger | None = None  # set when the model is shared with a fleet
 
     def observe(self, accepted_rank: Sequence[int], level_candidates: Sequence[int]) -> None:
         """Add one request-step's per-position outcome (validated upstream):
@@ -157,6 +214,7 @@ class StratumPosterior:
         self._anchor[fresh > 0] = reference
         if not self._carried == self._carried:  # NaN: first tick
             self._carried = reference
+        before_s, before_f = old_s, old_f  # the carry below may move old evidence: the ledger keeps the move
         ratio = reference / self._carried
         if abs(ratio - 1.0) > CARRY_CHANGE:
             old_n = old_s + old_f
@@ -174,14 +232,115 @@ class StratumPosterior:
             old_s, old_f = old_s * shrink, old_f * shrink
             self._carried = reference
         succ, fail = (old_s + new_s) * factor, (old_f + new_f) * factor
-        asked, offered = np.asarray(self.asked) * factor, np.asarray(self.offered) * factor
+        raw_asked, raw_offered = np.asarray(self.asked), np.asarray(self.offered)
+        ledger = self.ledger
+        if ledger is not None:
+            self._fold_ledger(ledger, new_s, new_f, old_s - before_s, old_f - before_f, raw_asked, raw_offered,
+                              factor)
+        asked, offered = raw_asked * factor, raw_offered * factor
         cap = np.where(asked > max_evidence, max_evidence / np.maximum(asked, 1e-12), 1.0)
-        self.asked, self.offered = (asked * cap).tolist(), (offered * cap).tolist()
+        asked, offered = asked * cap, offered * cap
+        self.asked, self.offered = asked.tolist(), offered.tolist()
+        if ledger is not None:
+            ledger.old_asked, ledger.old_offered = asked, offered
         total = succ + fail
         cap = np.where(total > max_evidence, max_evidence / np.maximum(total, 1e-12), 1.0)
         succ, fail = succ * cap, fail * cap
+        if ledger is not None:
+            # Carried evidence is old evidence: the cap thins it like the rest of the cell.
+            ledger.carry_succ, ledger.carry_fail = ledger.carry_succ * cap, ledger.carry_fail * cap
         self._old_succ, self._old_fail = succ, fail
         self.succ, self.fail = succ.tolist(), fail.tolist()
+
+    @staticmethod
+    def _fold_ledger(ledger: ShareLedger, new_s: np.ndarray, new_f: np.ndarray, moved_s: np.ndarray,
+                     moved_f: np.ndarray, asked: np.ndarray, offered: np.ndarray, factor: float) -> None:
+        """At a decay: this replica's fresh evidence joins the pending delta
+        (fleet evidence an install marked fresh is not its to push), the
+        carry's move joins the local adjustment, and both decay as the
+        posterior does."""
+        own_s = np.maximum(new_s - ledger.external_succ, 0.0)
+        own_f = np.maximum(new_f - ledger.external_fail, 0.0)
+        ledger.pending_succ = (ledger.pending_succ + own_s) * factor
+        ledger.pending_fail = (ledger.pending_fail + own_f) * factor
+        ledger.pending_asked = (ledger.pending_asked + np.maximum(asked - ledger.old_asked, 0.0)) * factor
+        ledger.pending_offered = (ledger.pending_offered + np.maximum(offered - ledger.old_offered, 0.0)) * factor
+        ledger.carry_succ = (ledger.carry_succ + moved_s) * factor
+        ledger.carry_fail = (ledger.carry_fail + moved_f) * factor
+        ledger.external_succ = np.zeros_like(new_s)
+        ledger.external_fail = np.zeros_like(new_f)
+
+    def install_shared(self, succ: np.ndarray, fail: np.ndarray, asked: np.ndarray, offered: np.ndarray,
+                       at: float, half_life_s: float, max_evidence: float) -> None:
+        """Plan from the fleet: fleet totals plus this replica's evidence not yet in them.
+
+        Parameters
+        ----------
+        succ, fail, asked, offered : np.ndarray
+            The fleet totals, ``[depth, width]`` of the fleet's shape (cut
+            or padded with zeros to this posterior's).
+        at : float
+            The time the totals are decayed to; they are brought to this
+            posterior's ``updated_at`` (after decaying the posterior to
+            ``at`` when it lags by more than :data:`IDLE_CATCH_UP_S`).
+        half_life_s, max_evidence : float
+            The model's; the cap applies to the sum as at a decay.
+
+        Notes
+        -----
+        The target is ``T = cap(fleet + pending + carry)``. The evidence this
+        replica added since its last decay stays fresh on top of ``T``. Of
+        the old evidence, what the fleet adds (other replicas' workers) is
+        placed among the fresh evidence, marked external, and what it takes
+        away (decay and cap differences) comes off the old evidence: the
+        next decay's carry then sees other replicas' tests as fresh, exactly
+        as one model fed every step would.
+        """
+        ledger = self.ledger
+        if ledger is None:
+            raise RuntimeError("install_shared needs a ShareLedger (AcceptanceModel.share_with_fleet)")
+        if self.updated_at is None:
+            self.updated_at = at
+        elif at - self.updated_at > IDLE_CATCH_UP_S:
+            # An idle replica (no steps, no tick) meets totals from far later: decay it there first,
+            # or its next tick would decay the fresh totals a second time over the gap.
+            self.decay(at, half_life_s, max_evidence)
+        # Totals a little ahead of this posterior (another replica ticked later) are moved back
+        # to its time, exactly (the decay is exponential), so its next decay brings them forward once.
+        g = 0.5 ** ((self.updated_at - at) / half_life_s)
+        fs, ff, fa, fo = (fit_grid(x, self.max_depth, self.max_width) * g for x in (succ, fail, asked, offered))
+        ts = np.maximum(fs + ledger.pending_succ + ledger.carry_succ, 0.0)
+        tf = np.maximum(ff + ledger.pending_fail + ledger.carry_fail, 0.0)
+        total = ts + tf
+        cap = np.where(total > max_evidence, max_evidence / np.maximum(total, 1e-12), 1.0)
+        ts, tf = ts * cap, tf * cap
+        ta, to = fa + ledger.pending_asked, fo + ledger.pending_offered
+        cap = np.where(ta > max_evidence, max_evidence / np.maximum(ta, 1e-12), 1.0)
+        ta, to = ta * cap, to * cap
+        old_s, old_f = self._old_succ, self._old_fail
+        own_s = np.maximum(np.asarray(self.succ) - old_s - ledger.external_succ, 0.0)
+        own_f = np.maximum(np.asarray(self.fail) - old_f - ledger.external_fail, 0.0)
+        self._old_succ, self._old_fail = np.minimum(ts, old_s), np.minimum(tf, old_f)
+        ledger.external_succ, ledger.external_fail = ts - self._old_succ, tf - self._old_fail
+        self.succ, self.fail = (ts + own_s).tolist(), (tf + own_f).tolist()
+        own_a = np.maximum(np.asarray(self.asked) - ledger.old_asked, 0.0)
+        own_o = np.maximum(np.asarray(self.offered) - ledger.old_offered, 0.0)
+        self.asked, self.offered = (ta + own_a).tolist(), (to + own_o).tolist()
+        ledger.old_asked, ledger.old_offered = ta, to
+
+    def shared_baseline(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What this replica believes the fleet totals are, at ``updated_at``:
+        its posterior without its own unpushed evidence and its local carry
+        (flat ``succ, fail, asked, offered``). A replica re-seeds a fleet
+        store that lost its data with it (:mod:`controller.fleet.acceptance_sync`)."""
+        ledger = self.ledger
+        if ledger is None:
+            raise RuntimeError("shared_baseline needs a ShareLedger (AcceptanceModel.share_with_fleet)")
+        s = np.maximum(self._old_succ + ledger.external_succ - ledger.pending_succ - ledger.carry_succ, 0.0)
+        f = np.maximum(self._old_fail + ledger.external_fail - ledger.pending_fail - ledger.carry_fail, 0.0)
+        a = np.maximum(ledger.old_asked - ledger.pending_asked, 0.0)
+        o = np.maximum(ledger.old_offered - ledger.pending_offered, 0.0)
+        return s, f, a, o
 
     def beta_params(self) -> tuple[np.ndarray, np.ndarray]:  # each [depth, width]
         shape = (self.max_depth, self.max_width)
@@ -198,6 +357,21 @@ class StratumPosterior:
         s = np.asarray(self.succ).reshape(shape)[:, 0]
         f = np.asarray(self.fail).reshape(shape)[:, 0]
         return s + f
+
+
+def fit_grid(cells: np.ndarray, depth: int, width: int) -> np.ndarray:
+    """A ``[d, w]`` grid cut or zero-padded to ``depth × width``, returned flat.
+
+    >>> fit_grid(np.arange(6.0).reshape(2, 3), 3, 2).tolist()
+    [0.0, 1.0, 3.0, 4.0, 0.0, 0.0]
+    """
+    cells = np.asarray(cells, dtype=float)
+    if cells.shape == (depth, width):  # the usual case: every replica runs the same limits
+        return cells.ravel()
+    out = np.zeros((depth, width))
+    d, w = min(depth, cells.shape[0]), min(width, cells.shape[1])
+    out[:d, :w] = cells[:d, :w]
+    return out.ravel()
 
 
 def offer_slots(depth: int, accepted: int, nodes: int, accepted_rank: Sequence[int] | None,
@@ -289,6 +463,28 @@ class AcceptanceModel:
         self.prior = prior
         self.max_versions = max_versions
         self._strata: OrderedDict[DrafterKey, list[StratumPosterior]] = OrderedDict()
+        self.shared = False  # True: every posterior keeps a ShareLedger (share_with_fleet)
+
+    def share_with_fleet(self) -> None:
+        """Give every posterior, now and later, a :class:`ShareLedger`, so
+        that :mod:`controller.fleet.acceptance_sync` can push its deltas and
+        install the fleet's totals. Evidence already held is not pushed as
+        a delta (a replica joining with history would add it to a fleet that
+        may already hold it): the first install of a stratum replaces it by
+        the fleet's totals, or it seeds a fleet store that has none."""
+        self.shared = True
+        for buckets in self._strata.values():
+            for posterior in buckets:
+                if posterior.ledger is None:
+                    posterior.ledger = ShareLedger(posterior.max_depth * posterior.max_width)
+
+    def items(self) -> tuple[tuple[DrafterKey, list[StratumPosterior]], ...]:
+        """Every drafter version's posteriors, without touching the LRU order."""
+        return tuple(self._strata.items())
+
+    def peek(self, key: DrafterKey) -> list[StratumPosterior] | None:
+        """A version's posteriors if held, without creating or refreshing them."""
+        return self._strata.get(key)
 
     def context_bucket(self, context_len: int) -> int:
         return max(bisect_right(self.context_edges, context_len) - 1, 0)
@@ -300,6 +496,9 @@ class AcceptanceModel:
             depth = max(max_depth, buckets[0].max_depth if buckets else 0)
             width = max(max_width, buckets[0].max_width if buckets else 0)
             buckets = [StratumPosterior(depth, width, self.prior, now) for _ in self.context_edges]
+            if self.shared:
+                for posterior in buckets:
+                    posterior.ledger = ShareLedger(depth * width)
             self._strata[key] = buckets
             while len(self._strata) > self.max_versions:
                 self._strata.popitem(last=False)

@@ -14,7 +14,8 @@ waits). Per worker it records, in ring buffers of ``capacity`` samples:
   speculation off at the worker's current load, under the current cost and
   acceptance models;
 * the goodput the policy expected, estimated now, and observed (gaps while
-  the worker is disconnected).
+  the worker is disconnected);
+* each request class's TPOT p50 / p99 over its recent requests (issue #29).
 
 Drafter versions announced in Hellos are recorded as roll-outs when they are
 seen (``Controller.on_hello``). ``snapshot`` turns all of it into JSON-ready
@@ -39,10 +40,11 @@ from protos.speculation.v1 import controller_pb2
 if TYPE_CHECKING:
     from controller.alerts.alerting import DriftAlerting
     from controller.core import Controller, WorkerState
+    from controller.core.classes import ClassSummary
 
 MIN_TRIALS = 30  # request-steps behind a plotted acceptance or τ-share value
 SERIES = ("t", "drafter_version", "plan_version", "alpha", "tau_share", "speedup", "estimated_goodput",
-          "expected_goodput", "realised_goodput")
+          "expected_goodput", "realised_goodput", "class_tpot")
 
 
 def estimated_goodputs(controller: "Controller", state: "WorkerState") -> tuple[float, float] | None:
@@ -73,6 +75,32 @@ def estimated_goodputs(controller: "Controller", state: "WorkerState") -> tuple[
     return table_goodput(state.plans.current.table, obs), 1000.0 * batch / max(plain_ms, 1e-9)
 
 
+def _class_cell(state: "WorkerState", name: str) -> list[int] | None:
+    """[depth, width] of the class's table in the plan in force at the worker's
+    mean batch and context; None before a plan."""
+    plan = state.plans.in_force
+    if plan is None:
+        return None
+    table = plan.table if state.plans.in_force_classes.single else plan.table_for(name)
+    d = table.lookup(max(1, round(state.load.batch_ema)), int(mean_context_len(state)))
+    return [d.depth, d.width]
+
+
+def _class_dict(c: "ClassSummary", cell: list[int] | None = None) -> dict[str, Any]:
+    """One class of a worker for ``/status.json`` and the page (``cell``: its plan's decision now)."""
+    spec = c.spec
+    return {
+        "decision_now": cell,
+        "name": c.name, "is_default": c.is_default, "weight": spec.weight, "tpot_target_ms": spec.tpot_target_ms,
+        "tpot_quantile": spec.tpot_quantile, "acceptance": spec.acceptance, "share": c.share,
+        "tpot_ms_p50": c.tpot_ms_p50 if c.tpot_requests else None,
+        "tpot_ms_p99": c.tpot_ms_p99 if c.tpot_requests else None, "tpot_requests": c.tpot_requests,
+        "tau": c.tau, "spec_fraction": c.spec_fraction, "tokens_per_step": c.tokens_per_step,
+        "step_ms_mean": c.step_ms_mean, "mean_context_len": c.mean_context_len, "request_steps": c.request_steps,
+        "typical_request_steps": c.typical_request_steps,
+    }
+
+
 def _finite(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
@@ -91,6 +119,7 @@ class WorkerHistory:
     estimated_goodput: deque = field(init=False)  # plan in force, today's models (tok/s)
     expected_goodput: deque = field(init=False)  # what the policy expected when it made the plan (tok/s)
     realised_goodput: deque = field(init=False)
+    class_tpot: deque = field(init=False)  # class name -> [TPOT p50, p99] in ms (None: no request measured)
     # Per drafter key: cumulative (reached, accepted, τ) when each position's
     # α and the τ shares were last plotted.
     base: dict[tuple[str, str], tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
@@ -196,6 +225,8 @@ class StatusHistory:
         h.expected_goodput.append(state.plans.current.expected_goodput_tok_s if live else None)
         realised = state.session.connected and state.counters.steps_total
         h.realised_goodput.append(state.load.observed_goodput() if realised else None)
+        h.class_tpot.append({c.name: [c.tpot_ms_p50, c.tpot_ms_p99] if c.tpot_requests else None
+                             for c in state.classes.summaries(now)})
         self.samples += 1
 
     @staticmethod
@@ -284,6 +315,11 @@ class StatusHistory:
             "mean_context_len": mean_context_len(state),
             "realised_goodput_tok_s": state.load.observed_goodput(),
             "estimated_speedup": history.speedup[-1] if history is not None and history.speedup else None,
+            "classes": [_class_dict(c, _class_cell(state, c.name))
+                        for c in state.classes.summaries(self.controller.clock())],
+            "unknown_class_request_steps": state.counters.unknown_class_request_steps,
+            "unknown_class_queries": state.counters.unknown_class_queries,
+            "typical_violations": state.counters.typical_violations,
             "detail": detail,
             "plan": None,
             "history": None,

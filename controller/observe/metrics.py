@@ -10,11 +10,25 @@ because formatting tens of thousands of samples takes prometheus-client
 seconds. ``ControllerCollector`` does both in ``collect`` for use in any
 ``CollectorRegistry``.
 
+Request classes (``class`` label, the policy file's names; one class
+``default`` without them): share of request-steps, TPOT p50 / p99 over the
+class's recent requests (``specctl_class_tpot_seconds``), τ and the share
+of request-steps that drafted, lifetime request-step and token counters,
+and the names nobody configured (``specctl_request_class_unknown_total``)
+and typical-rule steps of strict classes
+(``specctl_typical_acceptance_violations_total``).
+
 Labels: ``context_bucket`` and ``batch_bucket`` name half-open bucket ranges
 ``LO-HI`` (``LO-inf`` for the last), ``position`` is the draft position
 (tree level) from 1. The per-cell plan families are 2 × 144 series per
 worker with the default buckets: ``plan_cells=False`` (config
 ``metrics_plan_cells``) keeps only the decision at each worker's current load.
+
+A replica sharing state through Redis (``state.backend: redis``) adds the
+``specctl_fleet_*`` families: the store's health (up, outages, failed calls
+per operation), failed and completed acceptance merges, evidence not yet
+merged, seconds since the last merge, live replicas, leases held, alert
+events waiting, first plans held for the fleet's statistics.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from protos.speculation.v1 import controller_pb2, plan_pb2
 if TYPE_CHECKING:
     from controller.alerts.alerting import DriftAlerting
     from controller.core import Controller, WorkerState
+    from controller.core.classes import ClassSummary
     from controller.observe.history import StatusHistory
 
 
@@ -132,6 +147,11 @@ class WorkerFacts:
     steps_received: int = 0
     # Hello.telemetry_loss: the worker's own count of steps dropped / unconfirmed, finished dropped.
     telemetry_loss: tuple[int, int, int] = (0, 0, 0)
+    classes: tuple["ClassSummary", ...] = ()  # per request class, the policy's order
+    unknown_classes: tuple[int, int] = (0, 0)  # request-steps, Decide queries naming an unknown class
+    typical_request_steps: int = 0  # verified with the typical rule for a class that allows it
+    typical_violations: int = 0  # verified with the typical rule for a strict class
+    class_decisions: tuple[tuple[str, Decision], ...] = ()  # each class's cell at the worker's mean batch and context
 
 
 @dataclass(frozen=True)
@@ -155,6 +175,7 @@ class MetricsSnapshot:
     workers_expired: int
     drift: DriftFacts | None
     plan_cells: bool
+    fleet: dict[str, Any] | None = None  # FleetReplica.status() (state.backend: redis)
 
 
 def mean_context_len(state: "WorkerState") -> float:
@@ -168,8 +189,18 @@ def _decision_now(state: "WorkerState") -> Decision | None:
     return state.plans.current.table.lookup(max(1, round(state.load.batch_ema)), int(mean_context_len(state)))
 
 
+def _class_decisions(state: "WorkerState") -> tuple[tuple[str, Decision], ...]:
+    current = state.plans.current
+    classes = state.plans.current_classes
+    if current is None or classes.single:
+        return ()
+    batch, context = max(1, round(state.load.batch_ema)), int(mean_context_len(state))
+    return tuple((c.name, current.table_for(c.name).lookup(batch, context)) for c in classes)
+
+
 def take_snapshot(controller: "Controller", history: "StatusHistory | None" = None,
-                  alerting: "DriftAlerting | None" = None, plan_cells: bool = True) -> MetricsSnapshot:
+                  alerting: "DriftAlerting | None" = None, plan_cells: bool = True,
+                  fleet: Any = None) -> MetricsSnapshot:
     """Copy what the metrics need (call on the controller's event loop)."""
     workers = []
     now = controller.clock()
@@ -186,7 +217,11 @@ def take_snapshot(controller: "Controller", history: "StatusHistory | None" = No
             session="unary" if session.kind == controller_pb2.WORKER_SESSION_UNARY else "stream",
             idle_seconds=max(now - session.last_seen_at, 0.0), expired=session.expired, plans_used=c.plans_used,
             streams_superseded=c.streams_superseded, steps_received=c.steps_received,
-            telemetry_loss=(loss.steps_dropped, loss.steps_unconfirmed, loss.finished_dropped)))
+            telemetry_loss=(loss.steps_dropped, loss.steps_unconfirmed, loss.finished_dropped),
+            classes=tuple(s.classes.summaries(now)),
+            unknown_classes=(c.unknown_class_request_steps, c.unknown_class_queries),
+            typical_request_steps=c.typical_request_steps, typical_violations=c.typical_violations,
+            class_decisions=_class_decisions(s)))
     drift = None
     if alerting is not None:
         monitor = alerting.monitor
@@ -199,17 +234,69 @@ def take_snapshot(controller: "Controller", history: "StatusHistory | None" = No
         [(key, dict(counts)) for key, counts in controller.accept_counts.items()],
         dict(controller.rejections), controller.policy_reloads, controller.policy_reload_failures,
         history.latest_speedups() if history is not None else {}, controller.streams_superseded,
-        controller.workers_expired, drift, plan_cells)
+        controller.workers_expired, drift, plan_cells, fleet.status() if fleet is not None else None)
 
 
 def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
     """Every ``specctl_*`` family of ``snap``."""
     yield from _workers(snap)
+    yield from _classes(snap)
     yield from _acceptance(snap)
     yield from _plans(snap)
     yield from _rejections(snap)
     if snap.drift is not None:
         yield from _drift(snap.drift)
+    if snap.fleet is not None:
+        yield from _fleet(snap.fleet)
+
+
+def _fleet(status: dict[str, Any]) -> Iterable[Metric]:
+    health, sync = status["health"], status["sync"]
+    replica = status["replica_id"]
+    yield GaugeMetricFamily("specctl_fleet_store_up", "1 if the fleet store (Redis) answered the last call.",
+                            value=1.0 if health["up"] else 0.0)
+    yield CounterMetricFamily("specctl_fleet_store_outages_total", "Times the fleet store stopped answering.",
+                              value=health["outages"])
+    failures = CounterMetricFamily("specctl_fleet_store_failures_total",
+                                   "Fleet store calls that failed (skipped; the replica served from local state).",
+                                   labels=["op"])
+    for op, n in sorted(health["failures"].items()):
+        failures.add_metric([op], n)
+    yield failures
+    yield CounterMetricFamily("specctl_fleet_merges_total", "Acceptance merge rounds completed.",
+                              value=status["merges"])
+    yield CounterMetricFamily("specctl_fleet_merge_failures_total",
+                              "Acceptance merge rounds that failed (their evidence waits, merged once later).",
+                              value=status["failed_merges"])
+    yield GaugeMetricFamily("specctl_fleet_unmerged_evidence",
+                            "Acceptance evidence (decayed request-step outcomes) not yet in the fleet totals.",
+                            value=sync["unmerged_evidence"])
+    since = sync["since_merge_s"]
+    yield GaugeMetricFamily("specctl_fleet_seconds_since_merge",
+                            "Seconds since the last completed acceptance merge (NaN before the first).",
+                            value=float("nan") if since is None else since)
+    yield GaugeMetricFamily("specctl_fleet_live_replicas", "Replicas alive in the fleet directory.",
+                            value=status["live_replicas"])
+    yield GaugeMetricFamily("specctl_fleet_leases_held", "Drift strata whose alerts this replica owns.",
+                            value=status["leases_held"])
+    yield GaugeMetricFamily("specctl_fleet_alert_events_queued", "Alert events waiting to reach the fleet store.",
+                            value=status["alert_events_queued"])
+    yield CounterMetricFamily("specctl_fleet_first_plans_held_total",
+                              "Workers whose first plan waited for the fleet's acceptance statistics.",
+                              value=status["counts"].get("first_plans_held", 0))
+    if status["alerts"] is not None:
+        findings = CounterMetricFamily(
+            "specctl_fleet_drift_findings_total",
+            "This replica's drift findings: opened (it owns the stratum's lease), attached (to the alert another "
+            "replica opened), deferred (waited for the lease), deferred_dropped (waited too long).",
+            labels=["outcome"])
+        counts = status["alerts"]["counts"]
+        for outcome in ("opened", "attached", "deferred", "deferred_dropped"):
+            findings.add_metric([outcome], counts.get(outcome, 0))
+        yield findings
+    info = InfoMetricFamily("specctl_fleet_replica", "This replica in the fleet.", labels=["replica", "fleet"])
+    info.add_metric([replica, health["fleet"]], {})
+    yield info
 
 
 def _workers(snap: MetricsSnapshot) -> Iterable[Metric]:
@@ -263,6 +350,66 @@ def _workers(snap: MetricsSnapshot) -> Iterable[Metric]:
                               value=snap.policy_reloads)
     yield CounterMetricFamily("specctl_policy_reload_failures_total", "Policy files refused (old policy kept).",
                               value=snap.policy_reload_failures)
+
+
+def _classes(snap: MetricsSnapshot) -> Iterable[Metric]:
+    labels = ["worker", "class"]
+    share = GaugeMetricFamily("specctl_class_share",
+                              "The class's share of the worker's reported request-steps (recent, 30 s half-life).",
+                              labels=labels)
+    tpot = GaugeMetricFamily("specctl_class_tpot_seconds",
+                             "Time per output token over the class's requests seen in the last 30 s (each: its "
+                             "steps' draft+verify+catch-up time over the tokens they emitted), at the quantile.",
+                             labels=["worker", "class", "quantile"])
+    target = GaugeMetricFamily("specctl_class_tpot_target_seconds",
+                               "The policy's TPOT target of the class, at its quantile (classes with one).",
+                               labels=["worker", "class", "quantile"])
+    measured = GaugeMetricFamily("specctl_class_tpot_requests", "Requests behind the class's TPOT quantiles.",
+                                 labels=labels)
+    tau = GaugeMetricFamily("specctl_class_accepted_tokens_per_draft",
+                            "τ: accepted draft tokens per drafting request-step of the class (recent).", labels=labels)
+    spec = GaugeMetricFamily("specctl_class_speculation_fraction",
+                             "Share of the class's request-steps that drafted (recent).", labels=labels)
+    steps = CounterMetricFamily("specctl_class_request_steps_total", "Request-steps of the class ingested.",
+                                labels=labels)
+    tokens = CounterMetricFamily("specctl_class_generated_tokens_total",
+                                 "Tokens the class's request-steps emitted (accepted drafts plus one each).",
+                                 labels=labels)
+    typical = CounterMetricFamily("specctl_class_typical_request_steps_total",
+                                  "Request-steps of the class verified with the typical (relaxed) rule.",
+                                  labels=labels)
+    unknown = CounterMetricFamily("specctl_request_class_unknown_total",
+                                  "Request-steps (source=step) and Decide queries (source=decide) naming a class the "
+                                  "policy does not know; served as the default class.", labels=["worker", "source"])
+    depth = GaugeMetricFamily("specctl_class_decision_draft_depth",
+                              "Draft depth the plan gives the class at the worker's mean batch and context "
+                              "(plans with classes only).", labels=labels)
+    violations = CounterMetricFamily("specctl_typical_acceptance_violations_total",
+                                     "Request-steps verified with the typical rule for a class whose plan says "
+                                     "strict (their acceptance is not used).", labels=["worker"])
+    for w in snap.workers:
+        wid = w.worker_id
+        for c in w.classes:
+            key = [wid, c.name]
+            share.add_metric(key, c.share)
+            measured.add_metric(key, c.tpot_requests)
+            if c.tpot_requests:
+                tpot.add_metric([*key, "0.5"], c.tpot_ms_p50 / 1000.0)
+                tpot.add_metric([*key, "0.99"], c.tpot_ms_p99 / 1000.0)
+            if c.spec.tpot_target_ms is not None:
+                target.add_metric([*key, "0.5" if c.spec.tpot_quantile == "p50" else "0.99"],
+                                  c.spec.tpot_target_ms / 1000.0)
+            tau.add_metric(key, c.tau)
+            spec.add_metric(key, c.spec_fraction)
+            steps.add_metric(key, c.request_steps)
+            tokens.add_metric(key, c.tokens)
+            typical.add_metric(key, c.typical_request_steps)
+        unknown.add_metric([wid, "step"], w.unknown_classes[0])
+        unknown.add_metric([wid, "decide"], w.unknown_classes[1])
+        violations.add_metric([wid], w.typical_violations)
+        for name, d in w.class_decisions:
+            depth.add_metric([wid, name], d.depth)
+    yield from (share, tpot, target, measured, tau, spec, steps, tokens, typical, unknown, violations, depth)
 
 
 def _acceptance(snap: MetricsSnapshot) -> Iterable[Metric]:

@@ -8,7 +8,9 @@ in force (a heat-map of depth × width per batch and context bucket),
 acceptance per draft position and the accepted-length distribution over
 time, and the estimated end-to-end speedup over time — with drafter
 roll-outs and drift alerts marked on the same time axis, and a fleet-wide
-timeline of those head-retraining events.
+timeline of those head-retraining events. Its request classes get a table
+(share, TPOT p50 / p99 against the target, τ, speculation share, acceptance
+rule) and, when the policy has more than one, TPOT p99 per class over time.
 
 ``StatusSite`` owns the history and the HTTP server. Snapshots are taken on
 the event loop (consistent, cheap copies); the metrics text, the page and
@@ -51,6 +53,7 @@ ESTIMATED_COLOR = "#54278f"
 REALISED_COLOR = "#006d2c"
 ROLLOUT_COLOR = "#08519c"
 DEPTH_COLORS = ("#f2f2f2", "#ffffb2", "#fed976", "#feb24c", "#fd8d3c", "#fc4e2a", "#e31a1c", "#bd0026", "#800026")
+CLASS_COLORS = ("#e7298a", "#1b9e77", "#d95f02", "#7570b3", "#66a61e", "#e6ab02", "#a6761d", "#666666")
 SEVERITY_COLORS = {"CRITICAL": "#99000d", "WARNING": "#e6550d", "INFO": "#fdae6b"}
 
 CSS = """
@@ -157,6 +160,52 @@ def worker_charts(worker: dict[str, Any], snapshot: dict[str, Any], x_range: tup
                     Series("realised", REALISED_COLOR, h["t"], h["realised_goodput"])],
                    x_range, y_label="tok/s", markers=markers, spans=spans, width=600, height=240),
     ]
+
+
+def class_tpot_chart(worker: dict[str, Any], snapshot: dict[str, Any], x_range: tuple[float, float]) -> str:
+    """TPOT p99 of each request class over time (ms per output token)."""
+    h, wid = worker["history"], worker["worker_id"]
+    markers, spans = _events_for(worker, snapshot)
+    samples = h.get("class_tpot") or []
+    series = []
+    for i, c in enumerate(worker.get("classes") or []):
+        name = c["name"]
+        target = f" (target {c['tpot_target_ms']:g} {c['tpot_quantile']})" if c.get("tpot_target_ms") else ""
+        ys = [s[name][1] if s and s.get(name) else None for s in samples]
+        series.append(Series(f"{name} p99{target}", CLASS_COLORS[i % len(CLASS_COLORS)], h["t"][:len(ys)], ys))
+    return line_chart("TPOT p99 per request class", f"tpot-{wid}", series, x_range, y_label="ms / token",
+                      markers=markers, spans=spans, width=600, height=240)
+
+
+def classes_table(worker: dict[str, Any]) -> str:
+    """One row per request class of the worker."""
+    rows = []
+    for c in worker.get("classes") or []:
+        target = c.get("tpot_target_ms")
+        p50, p99 = c.get("tpot_ms_p50"), c.get("tpot_ms_p99")
+        measured = p50 if c.get("tpot_quantile") == "p50" else p99
+        over = target is not None and measured is not None and measured > target
+        rows.append([
+            escape(c["name"]) + (" (default)" if c.get("is_default") else ""),
+            f"{c['weight']:g}", f"{c['share']:.1%}",
+            _fmt(p50, ".1f"), (f'<span class="bad">{_fmt(p99, ".1f")}</span>' if over and c["tpot_quantile"] == "p99"
+                              else _fmt(p99, ".1f")),
+            "–" if target is None else f"{target:g} ({escape(c['tpot_quantile'])})"
+            + (' <span class="bad">missed</span>' if over else ""),
+            str(c.get("tpot_requests", 0)), f"{c['tau']:.2f}", f"{c['spec_fraction']:.0%}",
+            f"{c['tokens_per_step']:.2f}", escape(c.get("acceptance", "strict")), f"{c.get('request_steps', 0):,}",
+            _cell_text(*c["decision_now"]) if c.get("decision_now") else "–",
+        ])
+    unknown = worker.get("unknown_class_request_steps", 0) + worker.get("unknown_class_queries", 0)
+    violations = worker.get("typical_violations", 0)
+    note = ""
+    if unknown or violations:
+        note = (f'<p class="meta"><span class="bad">{unknown:,} request-step(s) and quer(ies) named an unknown '
+                f"class (served as the default) · {violations:,} typical-rule step(s) of a strict class "
+                "(acceptance not used)</span></p>")
+    return _table(["class", "weight", "share", "TPOT p50 ms", "TPOT p99 ms", "target ms", "requests", "τ",
+                   "drafting", "tokens/step", "acceptance", "request-steps", "plan now"], rows,
+                  f"classes-{escape(worker['worker_id'])}") + note
 
 
 def events_timeline(snapshot: dict[str, Any], x_range: tuple[float, float]) -> str:
@@ -280,7 +329,9 @@ def render_page(snapshot: dict[str, Any]) -> str:
             f'context {w["mean_context_len"]:,.0f} · realised {_fmt(w["realised_goodput_tok_s"])} tok/s · '
             f'telemetry lost: {_loss_text(w)}'
             + (f' · earlier versions in view: {escape(", ".join(versions))}' if versions else "") + "</div>",
-            '<div class="row">', *worker_charts(w, snapshot, x_range), "</div></div>",
+            '<div class="row">', *worker_charts(w, snapshot, x_range),
+            *([class_tpot_chart(w, snapshot, x_range)] if len(w.get("classes") or []) > 1 else []), "</div>",
+            *(["<h2>Request classes</h2>", classes_table(w)] if w.get("classes") else []), "</div>",
         ]
     if len(workers) > len(detailed):
         parts.append(f'<p class="meta">{len(workers) - len(detailed)} more worker(s): pick one in the table '
@@ -288,7 +339,9 @@ def render_page(snapshot: dict[str, Any]) -> str:
     parts.append('<p class="meta">Read-only view. α of a position: accepted over reached (the positions before it '
                  f"accepted); α and τ shares are measured since their previous value, over at least {MIN_TRIALS} "
                  "request-steps. Speedup and estimated goodput use the controller's current cost and acceptance "
-                 "models at the worker's current load. Dashed lines: drafter roll-outs; shaded: drift alerts.</p>")
+                 "models at the worker's current load. Dashed lines: drafter roll-outs; shaded: drift alerts. "
+                 "TPOT of a request: its steps' draft, verify and catch-up time over the tokens they emitted; a "
+                 "class's p50 / p99 are over its requests seen in the last 30 s.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -332,6 +385,7 @@ class StatusSite:
         self.sample_interval_s = sample_interval_s
         self.plan_cells = plan_cells
         self.history = StatusHistory(controller, capacity=history_samples, alerting=alerting)
+        self.fleet = None  # controller.fleet.replica.FleetReplica (state.backend: redis): its metrics too
         self.http = HttpServer({"/": self.page, "/status.json": self.status_json, "/metrics": self.metrics})
 
     async def start(self, listen: str) -> int:
@@ -346,7 +400,7 @@ class StatusSite:
         self.history.sample_due(self.sample_interval_s, tick_s * SAMPLE_CPU_FRACTION)
 
     async def metrics(self, request: Request) -> Response:
-        snapshot = take_snapshot(self.controller, self.history, self.alerting, self.plan_cells)
+        snapshot = take_snapshot(self.controller, self.history, self.alerting, self.plan_cells, self.fleet)
         body = await asyncio.to_thread(render_metrics, snapshot)
         return Response(200, body, CONTENT_TYPE_PLAIN_0_0_4)
 

@@ -9,7 +9,9 @@ per connection, the engine runs on its own thread):
     body ``{"prompt": "text"}`` (wrapped in the chat template) or
     ``{"prompt_ids": [ints]}`` (used as is), plus optional
     ``"max_new_tokens"`` (default 64), ``"domain"`` (telemetry tag),
-    ``"request_id"``. Answers when the request is done:
+    ``"request_id"``, ``"request_class"`` (a class of the controller's
+    policy: its table and its acceptance rule; empty or unknown: the default
+    class). Answers when the request is done:
     ``{"request_id", "text", "token_ids", "generated_tokens", "steps",
     "accepted_tokens", "queue_s", "ttft_s", "latency_s"}``.
 ``GET /v1/health``
@@ -193,10 +195,11 @@ class ReferenceWorker:
             self.agent = SpeculationAgent(self.hello, opts.controller, AgentOptions(fallback=fallback),
                                           channel_credentials=opts.security.channel_credentials(),
                                           token=opts.security.token or None)
-            decide, observer = self.agent.decide, self.agent
+            # The plan in force says which classes may be verified with typical acceptance.
+            decide, observer, classes = self.agent.decide, self.agent, self.agent.acceptance_rule
         else:
-            decide, observer = static_decide(parse_static(opts.static, fallback)), None
-        self.engine = Engine(model, drafter, decide, observer=observer, max_batch=opts.max_batch)
+            decide, observer, classes = static_decide(parse_static(opts.static, fallback)), None, None
+        self.engine = Engine(model, drafter, decide, observer=observer, max_batch=opts.max_batch, classes=classes)
         self.model_name = model_name
         self.rollouts: list[tuple[float, str, str]] = []  # (time, old version, new version)
         self._heads_checked = time.monotonic()
@@ -313,7 +316,8 @@ class ReferenceWorker:
         if not 0 <= max_new <= 4096:
             raise ValueError(f"max_new_tokens {max_new} must be in 0..4096")
         req = self.engine.submit(ids, max_new, request_id=body.get("request_id") or None,
-                                 domain=str(body.get("domain", "")))
+                                 domain=str(body.get("domain", "")),
+                                 request_class=str(body.get("request_class", "")))
         self._wake.set()
         req.done.wait()
         if req.output and req.output[-1] == -1:

@@ -3,9 +3,14 @@
 The engine's step loop calls two methods, neither of which touches the
 network:
 
-- ``decide(request_id, context_len, batch_size) -> Decision`` — a lookup in
-  the last plan received (per-request override first, then the table), a few
-  microseconds, thread-safe: plans are immutable and swapped by reference.
+- ``decide(request_id, context_len, batch_size, request_class="") -> Decision``
+  — a lookup in the last plan received (per-request override first, then the
+  table of the request's class), a few microseconds, thread-safe: plans are
+  immutable and swapped by reference. A class the plan does not name is its
+  default class, counted in ``AgentStats.unknown_class``.
+- ``acceptance_rule(request_class) -> AcceptanceRule`` — the rule the plan
+  lets the engine verify that class's drafts with: ``strict`` unless the
+  plan's class says ``typical`` (then with its epsilon and delta).
 - ``observe(step)`` / ``finish(summary)`` — append to a bounded queue; when
   it is full the oldest step is dropped and counted, the engine never waits.
 
@@ -13,14 +18,28 @@ A background task holds the Connect stream: it sends Hello, batches queued
 telemetry into ``StepReports``, validates every Plan and RequestDecisions it
 receives and answers each with an Ack or a Nack (a refused plan leaves the
 previous one in force), and reconnects with exponential backoff and full
-jitter. Before any plan arrives, and while cut off from the controller, the
-agent keeps deciding on the fallback decision or the last plan it applied.
+jitter. Before any plan arrives the agent decides on the fallback decision
+(each such call counted in ``AgentStats.fallback_decisions``); once it has a
+plan it decides on the last plan it applied, also while cut off from every
+controller.
+
+Several controller replicas (``target`` a list, ``"a:1,b:1"``, or one name
+that resolves to several addresses; :mod:`worker.sdk.placement`): the agent
+talks to the first live replica in the rendezvous order of its worker id.
+When that replica fails (the connection is refused or times out, the stream
+breaks, or nothing comes back for ``response_deadline_s`` after steps were
+sent) it moves to the next one at once, says in its Hello which plan version
+it runs (the new replica plans from the next version up) and re-sends there
+the steps the failed replica never confirmed with a ``TelemetryReceipt``. It
+moves back to a better-ranked replica only after that one has answered health
+probes for ``return_after_s``, first waiting briefly for the receipts of what
+it sent. Each move is in ``AgentStats.moves``.
 
 Nothing is lost without being counted: steps the queue dropped, and steps
-written to a stream that broke before a ``TelemetryReceipt`` covered them,
-are in ``AgentStats`` and in every Hello the agent sends
-(``Hello.telemetry_loss``). When idle it sends an empty ``StepReports`` as a
-heartbeat so the controller does not take it for gone.
+written to a stream that broke before a ``TelemetryReceipt`` covered them and
+not re-sent to another replica, are in ``AgentStats`` and in every Hello the
+agent sends (``Hello.telemetry_loss``). When idle it sends an empty
+``StepReports`` as a heartbeat so the controller does not take it for gone.
 """
 
 from __future__ import annotations
@@ -32,16 +51,56 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import grpc
 
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import controller_pb2_grpc, plan_pb2, worker_pb2
+from worker.sdk.placement import HEALTH_CHECK, Endpoint, Placement, Targets, health_request, health_serving
 from worker.sdk.telemetry import RequestSummary, StepTelemetry
 
 log = logging.getLogger("specctl.agent")
-_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)  # a config problem, not a blip
+# A config problem, not a blip (another replica has the same config): the agent stays and backs off.
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
 _SESSION_OVER = object()  # outbox sentinel: the request generator of an ended call returns
+_SERVICE = "speculation.v1.SpeculationController"
+
+
+class ReplicaSilent(Exception):
+    """The replica sent nothing for ``response_deadline_s`` after steps were written to it."""
+
+
+@dataclass
+class Move:
+    """The agent changed replicas.
+
+    Attributes
+    ----------
+    source, target : str
+        Addresses it left and went to.
+    reason : str
+        ``"failover"`` (the source failed) or ``"rebalance"`` (back to a better-ranked replica).
+    left_at : float
+        Wall time (``time.time()``) the session on ``source`` ended.
+    connected_at : float
+        Wall time the stream to ``target`` was up (0 until then).
+    first_plan_at : float
+        Wall time the agent applied (and ACKed) its first plan from ``target`` (0 until then).
+    confirmed_through : int
+        The last step id a receipt from ``source`` covered (0: none on that stream).
+    resent : int
+        Steps ``source`` never confirmed that were re-sent to ``target``.
+    """
+
+    source: str
+    target: str
+    reason: str
+    left_at: float
+    connected_at: float = 0.0
+    first_plan_at: float = 0.0
+    confirmed_through: int = 0
+    resent: int = 0
 
 
 @dataclass
@@ -66,6 +125,21 @@ class AgentStats:
     rejections: int = 0
     last_rejection: str = ""
     last_error: str = ""
+    # decide() calls naming a class the plan in force does not list (served as its
+    # default class; a plan without classes lists none and counts nothing), and the last
+    # such name. Counted without a lock: under heavy threading a few may go uncounted.
+    unknown_class: int = 0
+    last_unknown_class: str = ""
+    # decide() calls answered by the fallback decision: before the first plan only (the
+    # agent never goes back to it). Counted without a lock, like unknown_class.
+    fallback_decisions: int = 0
+    # Replicas: the address of the stream (or the last one), moves, steps re-sent to a new replica.
+    replica: str = ""
+    failovers: int = 0
+    rebalances: int = 0
+    steps_resent: int = 0
+    probes: int = 0  # health probes of better-ranked replicas
+    moves: deque = field(default_factory=lambda: deque(maxlen=32))  # the last 32 Move records
 
 
 @dataclass
@@ -79,6 +153,72 @@ class AgentOptions:
     # An empty StepReports after this long with nothing to send: the controller
     # takes a worker silent for worker_idle_ttl_s (default 120 s) for gone.
     heartbeat_interval_s: float = 15.0
+    # Several replicas (worker.sdk.placement). A dial that has not connected after
+    # connect_timeout_s counts as a failure of that replica.
+    connect_timeout_s: float = 2.0
+    # With another replica to go to: steps written and nothing received for this long
+    # means the replica is hung. The controller sends a receipt about every
+    # receipt_interval_s (1 s) while it reads steps: keep this well above that. 0 = off.
+    response_deadline_s: float = 4.0
+    # Back to a better-ranked replica once it answered health probes this long.
+    return_after_s: float = 30.0
+    probe_interval_s: float = 2.0  # health probes of better-ranked replicas, while there are any
+    probe_timeout_s: float = 1.0
+    resolve_interval_s: float = 30.0  # re-resolve names this often while healthy (at most once a second on failure)
+    handover_wait_s: float = 2.0  # moving back: how long to wait for receipts of what was sent
+    # Called on the agent's loop with each Plan it applied (after its ACK was queued).
+    on_plan: Callable[[plan_pb2.Plan], None] | None = None
+
+
+class AcceptanceRule(NamedTuple):
+    """How the engine may verify one class's drafts: ``rule`` is ``"strict"``
+    (lossless; ``epsilon`` and ``delta`` 0) or ``"typical"`` (accept a drafted
+    token x when p(x) > min(epsilon, delta · exp(−H)), H the target's entropy)."""
+
+    rule: str
+    epsilon: float = 0.0
+    delta: float = 0.0
+
+
+STRICT = AcceptanceRule("strict")
+_RULE_NAMES = {plan_pb2.ACCEPTANCE_RULE_UNSPECIFIED: "strict", plan_pb2.ACCEPTANCE_RULE_STRICT: "strict",
+               plan_pb2.ACCEPTANCE_RULE_TYPICAL: "typical"}
+_RULE_VALUES = {"strict": plan_pb2.ACCEPTANCE_RULE_STRICT, "typical": plan_pb2.ACCEPTANCE_RULE_TYPICAL}
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledPlan:
+    """A plan as ``decide`` reads it: immutable, swapped by reference.
+
+    ``tables`` / ``rules``: per class name (empty for a plan without
+    classes); ``default_table`` / ``default_rule``: the default class's (the
+    plan table and strict without classes).
+    """
+
+    table: DecisionTable
+    default_table: DecisionTable
+    tables: Mapping[str, DecisionTable] = field(default_factory=dict)
+    rules: Mapping[str, AcceptanceRule] = field(default_factory=dict)
+    default_class: str = ""
+    default_rule: AcceptanceRule = STRICT
+    fallback: bool = False  # the agent's fallback, not a plan from a controller
+
+    @classmethod
+    def single(cls, table: DecisionTable) -> "CompiledPlan":
+        return cls(table, table)
+
+    def clamped(self, max_depth: int, max_width: int, max_nodes: int) -> "CompiledPlan":
+        """Every table cut to a drafter's limits (a roll-out until the next plan)."""
+        cut: dict[int, DecisionTable] = {}
+
+        def clamp(t: DecisionTable) -> DecisionTable:
+            if id(t) not in cut:  # tables shared between classes stay shared
+                cut[id(t)] = t.clamped(max_depth, max_width, max_nodes)
+            return cut[id(t)]
+
+        tables = {name: clamp(t) for name, t in self.tables.items()}
+        return CompiledPlan(clamp(self.table), clamp(self.default_table), tables, self.rules, self.default_class,
+                            self.default_rule, self.fallback)
 
 
 def step_to_proto(step: StepTelemetry) -> worker_pb2.StepReport:
@@ -107,6 +247,8 @@ def step_to_proto(step: StepTelemetry) -> worker_pb2.StepReport:
             requested_width=r.requested_width,
             requested_nodes=r.requested_nodes,
             caught_up_tokens=r.caught_up_tokens,
+            request_class=r.request_class,
+            acceptance_rule=_RULE_VALUES[r.acceptance_rule] if r.acceptance_rule else 0,
         )
     return report
 
@@ -115,32 +257,106 @@ def compile_plan(plan: plan_pb2.Plan, hello: worker_pb2.Hello, current_version: 
     """Turn a Plan into a lookup table or raise ValueError naming the problem."""
     if plan.version <= current_version:
         raise ValueError(f"version {plan.version} is not newer than the plan in force ({current_version})")
+    return DecisionTable(tuple(plan.batch_size_edges), tuple(plan.context_len_edges),
+                         _decisions(plan.table, hello, "table"))
+
+
+def _decisions(cells, hello: worker_pb2.Hello, path: str) -> tuple[Decision, ...]:
     d = hello.drafter
     decisions = []
-    for i, cell in enumerate(plan.table):
+    for i, cell in enumerate(cells):
         if cell.depth > d.max_depth or cell.width > d.max_width or cell.max_nodes > d.max_tree_nodes:
             raise ValueError(
-                f"table[{i}] = (depth {cell.depth}, width {cell.width}, max_nodes {cell.max_nodes}) exceeds the "
+                f"{path}[{i}] = (depth {cell.depth}, width {cell.width}, max_nodes {cell.max_nodes}) exceeds the "
                 f"drafter's limits ({d.max_depth}, {d.max_width}, {d.max_tree_nodes})"
             )
-        decisions.append(Decision(cell.depth, cell.width, cell.max_nodes))
-    return DecisionTable(tuple(plan.batch_size_edges), tuple(plan.context_len_edges), tuple(decisions))
+        try:
+            decisions.append(Decision(cell.depth, cell.width, cell.max_nodes))
+        except ValueError as err:
+            raise ValueError(f"{path}[{i}]: {err}") from None
+    return tuple(decisions)
+
+
+def compile_classes(plan: plan_pb2.Plan, hello: worker_pb2.Hello, table: DecisionTable) -> CompiledPlan:
+    """``plan``'s class section over its compiled ``table`` (:func:`compile_plan`),
+    or ValueError naming the problem: every class table is checked like the
+    plan table (length, drafter limits), ``default_class`` must name a class,
+    a typical class needs epsilon and delta in (0, 1]."""
+    if not plan.classes:
+        if plan.default_class:
+            raise ValueError(f"default_class = {plan.default_class!r} but the plan lists no classes")
+        return CompiledPlan.single(table)
+    cells = len(table.batch_edges) * len(table.context_edges)
+    tables: dict[str, DecisionTable] = {}
+    rules: dict[str, AcceptanceRule] = {}
+    for i, c in enumerate(plan.classes):
+        path = f"classes[{i}]"
+        if not c.name:
+            raise ValueError(f"{path}.name must be a non-empty string")
+        if c.name in tables:
+            raise ValueError(f"{path}.name = {c.name!r} appears twice")
+        if c.table and len(c.table) != cells:
+            raise ValueError(f"{path} ({c.name!r}).table has {len(c.table)} decisions, expected 0 (the plan table) "
+                             f"or {len(table.batch_edges)} batch buckets x {len(table.context_edges)} context "
+                             f"buckets = {cells}")
+        tables[c.name] = (DecisionTable(table.batch_edges, table.context_edges,
+                                        _decisions(c.table, hello, f"{path}.table")) if c.table else table)
+        rule = _RULE_NAMES.get(c.acceptance_rule)
+        if rule is None:
+            raise ValueError(f"{path} ({c.name!r}).acceptance_rule = {c.acceptance_rule} is not a known "
+                             "AcceptanceRule")
+        if rule == "typical":
+            for name in ("typical_epsilon", "typical_delta"):
+                value = getattr(c, name)
+                if not 0.0 < value <= 1.0:  # NaN fails too
+                    raise ValueError(f"{path} ({c.name!r}).{name} = {value} must be in (0, 1] for typical "
+                                     "acceptance")
+            rules[c.name] = AcceptanceRule("typical", c.typical_epsilon, c.typical_delta)
+        else:
+            rules[c.name] = STRICT
+    if plan.default_class not in tables:
+        raise ValueError(f"default_class = {plan.default_class!r} is not one of the plan's classes {list(tables)}")
+    default = plan.default_class
+    return CompiledPlan(table, tables[default], tables, rules, default, rules[default])
 
 
 class SpeculationAgent:
-    """Local decisions + background telemetry/control stream for one worker."""
+    """Local decisions + background telemetry/control stream for one worker.
 
-    def __init__(self, hello: worker_pb2.Hello, target: str, options: AgentOptions | None = None,
-                 channel_credentials: grpc.ChannelCredentials | None = None, token: str | None = None) -> None:
-        """``channel_credentials``: TLS (``grpc.ssl_channel_credentials``, with a client
-        certificate for mutual TLS); ``token``: this worker's bearer token when the
-        controller has auth on."""
+    Parameters
+    ----------
+    hello : worker_pb2.Hello
+        What the worker is (its ``worker_id`` also places it among replicas).
+    target : str, sequence of str or Targets
+        The controller: ``"host:port"``; several replicas as a list or
+        comma-separated (``"ctl-a:50051,ctl-b:50051"``); or one name that
+        resolves to several addresses (``"dns:///ctl.prod:50051"``). A
+        :class:`~worker.sdk.placement.Targets` brings its own resolver. See
+        :mod:`worker.sdk.placement`.
+    options : AgentOptions, optional
+        Queue sizes, timings, the fallback decision.
+    channel_credentials : grpc.ChannelCredentials, optional
+        TLS (``grpc.ssl_channel_credentials``, with a client certificate for
+        mutual TLS). A replica dialled by an IP resolved from a name is
+        checked against that name.
+    token : str, optional
+        This worker's bearer token when the controller has auth on.
+    """
+
+    def __init__(self, hello: worker_pb2.Hello, target: str | Sequence[str] | Targets,
+                 options: AgentOptions | None = None, channel_credentials: grpc.ChannelCredentials | None = None,
+                 token: str | None = None) -> None:
         self.hello = hello
-        self.target = target
         self.options = options or AgentOptions()
+        opts = self.options
+        targets = target if isinstance(target, Targets) else Targets(target)
+        self.placement = Placement(targets, hello.worker_id, backoff_initial_s=opts.backoff_initial_s,
+                                   backoff_max_s=opts.backoff_max_s, return_after_s=opts.return_after_s)
+        self.target = self.placement.preferred().address  # the replica in use, or the next one to dial
         self.credentials = channel_credentials
         self._call_metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._table = DecisionTable.uniform(self.options.fallback, (1,), (0,))
+        fallback = DecisionTable.uniform(opts.fallback, (1,), (0,))
+        self._plan = CompiledPlan(fallback, fallback, fallback=True)
         self._overrides: dict[str, Decision] = {}
         self._steps: deque[StepTelemetry] = deque()
         self._finished: deque[RequestSummary] = deque()
@@ -154,13 +370,51 @@ class SpeculationAgent:
         # sends one about every second, so this holds about a second of steps; bounded for one
         # that sends none (older than receipts), where a break then counts the newest it holds.
         self._unconfirmed: deque[int] = deque(maxlen=4 * self.options.queue_size)
+        # The newest of those steps themselves (at most queue_size): what a failover re-sends to
+        # the next replica. Always a suffix of _unconfirmed (same appends, same receipts).
+        self._resendable: deque[worker_pb2.StepReport] = deque(maxlen=self.options.queue_size)
+        self._carry: list[worker_pb2.StepReport] = []  # unconfirmed steps of a failed replica, for the next one
+        self._carry_from = ""  # the replica they were written to
+        # Messages the live stream's request generator drained but has not handed to gRPC yet, and,
+        # after a session ended, the telemetry among them: never written, so sent first next time.
+        self._unsent: deque[worker_pb2.WorkerMessage] | None = None
+        self._replay: list[worker_pb2.WorkerMessage] = []
+        self._awaiting_since: float | None = None  # monotonic: first write since the replica last sent anything
+        self._receipt_through = 0  # last step id a receipt on the live stream covered
+        self._handover = False  # moving back: write no more telemetry to this stream
+        self._move: Move | None = None  # the move whose first plan is awaited
+        self._left: Move | None = None  # the move under way: left a replica, not yet up on another
+        self._up_at: float | None = None  # monotonic: when the live stream came up
+        self._resolving = False
 
     # ------------------------------------------------------------ hot path
-    def decide(self, request_id: str, context_len: int, batch_size: int) -> Decision:
+    def decide(self, request_id: str, context_len: int, batch_size: int, request_class: str = "") -> Decision:
+        """The request's decision: its override, else its class's table at
+        (``batch_size``, ``context_len``). ``request_class`` empty or not in
+        the plan: the plan's default class (an unknown name is counted)."""
         override = self._overrides.get(request_id)
         if override is not None:
             return override
-        return self._table.lookup(batch_size, context_len)
+        plan = self._plan  # read once: a plan arriving meanwhile is swapped whole
+        if plan.fallback:
+            self.stats.fallback_decisions += 1
+        if request_class and plan.tables:
+            table = plan.tables.get(request_class)
+            if table is None:
+                stats = self.stats
+                stats.unknown_class += 1
+                stats.last_unknown_class = request_class
+                table = plan.default_table
+            return table.lookup(batch_size, context_len)
+        return plan.default_table.lookup(batch_size, context_len)
+
+    def acceptance_rule(self, request_class: str = "") -> AcceptanceRule:
+        """The rule the engine may verify ``request_class``'s drafts with:
+        ``("strict", 0, 0)`` unless the plan in force gives the class (or,
+        for an empty or unknown name, its default class) typical acceptance.
+        Before any plan, and for a plan without classes: strict."""
+        plan = self._plan
+        return plan.rules.get(request_class, plan.default_rule)
 
     def observe(self, step: StepTelemetry) -> None:
         with self._lock:
@@ -194,7 +448,7 @@ class SpeculationAgent:
         hello.CopyFrom(self.hello)
         hello.drafter.CopyFrom(drafter)
         d = hello.drafter
-        self._table = self._table.clamped(d.max_depth, d.max_width, d.max_tree_nodes)
+        self._plan = self._plan.clamped(d.max_depth, d.max_width, d.max_tree_nodes)
         self._overrides = {}
         if self._loop is None or not self._loop.is_running():
             self.hello = hello
@@ -229,9 +483,28 @@ class SpeculationAgent:
     def plan_version(self) -> int:
         return self.stats.plan_version
 
+    def backlog(self) -> int:
+        """Steps no controller has confirmed yet: queued, written and awaiting a
+        receipt, or carried to the next replica. 0 once everything observed was read."""
+        with self._lock:
+            queued = len(self._steps)
+        replay = sum(len(m.reports.steps) for m in self._replay if m.WhichOneof("payload") == "reports")
+        return queued + len(self._unconfirmed) + len(self._carry) + replay
+
     @property
     def table(self) -> DecisionTable:
-        return self._table
+        """The plan table (``Plan.table``; a class may have its own: :meth:`class_table`)."""
+        return self._plan.table
+
+    def class_table(self, request_class: str = "") -> DecisionTable:
+        """The table ``decide`` reads for ``request_class`` (not counted when unknown)."""
+        plan = self._plan
+        return plan.tables.get(request_class, plan.default_table)
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """Class names of the plan in force (empty: it has none)."""
+        return tuple(self._plan.tables)
 
     # -------------------------------------------------------- thread usage
     def start(self) -> "SpeculationAgent":
@@ -258,105 +531,318 @@ class SpeculationAgent:
 
     # ---------------------------------------------------------- the stream
     async def run(self) -> None:
-        """Hold the stream until ``stop()``; reconnect with backoff + full jitter."""
+        """Hold a stream to a replica until ``stop()``.
+
+        A replica that fails (connect refused or timed out, stream broken, silent for
+        ``response_deadline_s``) is left for the next in rendezvous order at once; when
+        every replica has failed the agent retries with exponential backoff and full
+        jitter. Ends that are the worker's own business (superseded by a twin,
+        refused credentials, expired while idle) retry the same replica.
+        """
         self._stop = asyncio.Event()
-        backoff = self.options.backoff_initial_s
+        opts, placement = self.options, self.placement
+        await self._resolve(0.0)
+        endpoint, delay = placement.next()
+        backoff = opts.backoff_initial_s
         first = True
         while not self._stop.is_set():
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(self._stop.wait(), timeout=delay)
+                    break
+                except asyncio.TimeoutError:
+                    pass
             if not first:
                 self.stats.reconnects += 1
             first = False
-            started = time.monotonic()
-            try:
-                await self._session()
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # noqa: BLE001 - any failure means: reconnect
-                self.stats.last_error = f"{type(err).__name__}: {err}"
-                if isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.ABORTED:
-                    # Another stream took this worker id (a twin with the same id, or our own
-                    # restart's leftover): come back slowly, or the two take the id in turns.
-                    self.stats.superseded += 1
-                    backoff = self.options.backoff_max_s
-                    log.warning("controller %s ended worker %r's stream: %s", self.target, self.hello.worker_id,
-                                err.details())
-                elif isinstance(err, grpc.aio.AioRpcError) and err.code() in _REFUSED:
-                    log.warning("controller %s refused worker %r: %s %s", self.target, self.hello.worker_id,
-                                err.code().name, err.details())
-                else:
-                    log.debug("stream to %s ended: %s", self.target, self.stats.last_error)
+            self.target = endpoint.address
+            self._up_at = None
+            outcome, move_to = await self._attempt(endpoint)
+            up_for = time.monotonic() - self._up_at if self._up_at is not None else 0.0
             self.stats.connected = False
-            if time.monotonic() - started > 2.0:
-                backoff = self.options.backoff_initial_s  # the link was healthy: start over
-            delay = random.uniform(0, backoff)
-            backoff = min(backoff * 2, self.options.backoff_max_s)
-            try:
-                await asyncio.wait_for(self._stop.wait(), timeout=delay)
-            except asyncio.TimeoutError:
-                pass
+            if self._stop.is_set():
+                self._settle(endpoint, None, "")
+                break
+            if outcome == "failed":
+                placement.failed(endpoint, up_for)
+                await self._resolve(1.0)  # a replica set that changed may be why it failed
+                nxt, wait = placement.next()
+                # Leaving: at once, jittered so a dead replica's workers do not arrive in one burst.
+                delay = wait if nxt.address == endpoint.address else random.uniform(0, opts.backoff_initial_s)
+            elif outcome == "rebalance":
+                nxt, delay = move_to, 0.0
+            else:
+                placement.lasted(endpoint, up_for)
+                nxt = endpoint
+                if outcome == "superseded":
+                    backoff = opts.backoff_max_s
+                elif up_for > 2.0:
+                    backoff = opts.backoff_initial_s  # the link was healthy: start over
+                delay = random.uniform(0, backoff)
+                backoff = min(backoff * 2, opts.backoff_max_s)
+            self._settle(endpoint, nxt, outcome)
+            endpoint = nxt
 
     def stop(self) -> None:
         if self._stop is not None:
             self._stop.set()
 
-    async def _session(self) -> None:
-        if self.credentials is not None:
-            channel = grpc.aio.secure_channel(self.target, self.credentials)
+    async def _attempt(self, endpoint: Endpoint) -> tuple[str, Endpoint | None]:
+        """One session on ``endpoint``: how it ended (``failed``, ``rebalance``,
+        ``superseded``, ``refused``, ``expired``, ``stopped``) and, for a
+        rebalance, the replica to move to."""
+        try:
+            move_to = await self._session(endpoint)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any failure means: reconnect, here or elsewhere
+            self.stats.last_error = f"{type(err).__name__}: {err}"
+            code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
+            if code == grpc.StatusCode.ABORTED:
+                # Another stream took this worker id (a twin with the same id, or our own
+                # restart's leftover): come back slowly, or the two take the id in turns.
+                self.stats.superseded += 1
+                log.warning("controller %s ended worker %r's stream: %s", endpoint.address, self.hello.worker_id,
+                            err.details())
+                return "superseded", None
+            if code in _REFUSED:
+                log.warning("controller %s refused worker %r: %s %s", endpoint.address, self.hello.worker_id,
+                            code.name, err.details())
+                return "refused", None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._up_at is not None:
+                return "expired", None  # the controller's idle TTL: it is alive, come back to it
+            log.debug("replica %s failed for worker %r: %s", endpoint.address, self.hello.worker_id,
+                      self.stats.last_error)
+            return "failed", None
+        if move_to is not None:
+            return "rebalance", move_to
+        if self._stop.is_set():
+            return "stopped", None
+        self.stats.last_error = f"{endpoint.address} ended the stream"
+        return "failed", None  # ended without a status: serve elsewhere if there is an elsewhere
+
+    def _settle(self, endpoint: Endpoint, nxt: Endpoint | None, outcome: str) -> None:
+        """The stream to ``endpoint`` ended and ``nxt`` is dialled next: what
+        becomes of the steps it never confirmed. Going to another replica they
+        are carried there (the newest ``queue_size`` of them); staying (one
+        replica, or every other one down) they are counted as possibly lost,
+        since the same replica may have read them and would count them twice."""
+        moving = nxt is not None and nxt.address != endpoint.address
+        unconfirmed = len(self._unconfirmed)
+        if moving and unconfirmed:
+            carry = list(self._resendable)
+            self.stats.steps_unconfirmed += unconfirmed - len(carry)
+            self._carry, self._carry_from = carry, endpoint.address
         else:
-            channel = grpc.aio.insecure_channel(self.target)
-        async with channel:
+            self.stats.steps_unconfirmed += unconfirmed
+        self._unconfirmed.clear()
+        self._resendable.clear()
+        if moving and self._left is None:
+            # Kept until a stream is up elsewhere: a dial that fails on the way does not start another move.
+            self._left = Move(endpoint.address, "", "rebalance" if outcome == "rebalance" else "failover",
+                              time.time(), confirmed_through=self._receipt_through)
+            log.info("worker %r leaves replica %s (%s, %s)", self.hello.worker_id, endpoint.address,
+                     self._left.reason, self.stats.last_error if outcome == "failed" else "better-ranked replica up")
+
+    def _arrived(self, endpoint: Endpoint, outbox: asyncio.Queue) -> None:
+        """The stream to ``endpoint`` is up: record a move, queue the carried steps first."""
+        self.stats.replica = endpoint.address
+        left, self._left = self._left, None
+        if left is not None and left.source != endpoint.address:
+            left.target = endpoint.address
+            left.connected_at = time.time()
+            self.stats.moves.append(left)
+            if left.reason == "failover":
+                self.stats.failovers += 1
+            else:
+                self.stats.rebalances += 1
+            self._move = left
+        if self._carry:
+            carry, self._carry = self._carry, []
+            if self._carry_from == endpoint.address:
+                self.stats.steps_unconfirmed += len(carry)  # back where they may have been read: not twice
+            else:
+                size = self.options.max_steps_per_message
+                for i in range(0, len(carry), size):
+                    outbox.put_nowait(worker_pb2.WorkerMessage(
+                        reports=worker_pb2.StepReports(steps=carry[i:i + size])))
+                self.stats.steps_resent += len(carry)
+                if self._move is not None:
+                    self._move.resent += len(carry)
+        # Drained after the carried steps were written: newer step ids, so they follow them.
+        for msg in self._replay:
+            outbox.put_nowait(msg)
+        self._replay = []
+
+    def _channel(self, endpoint: Endpoint) -> grpc.aio.Channel:
+        options = []
+        if endpoint.authority and self.credentials is not None:
+            # Dialled by an IP resolved from a name: the certificate is the name's.
+            options = [("grpc.ssl_target_name_override", endpoint.authority),
+                       ("grpc.default_authority", endpoint.authority)]
+        if self.credentials is not None:
+            return grpc.aio.secure_channel(endpoint.address, self.credentials, options=options)
+        return grpc.aio.insecure_channel(endpoint.address, options=options)
+
+    async def _session(self, endpoint: Endpoint) -> Endpoint | None:
+        """One stream to ``endpoint``; returns the replica to move back to when a better-ranked one is ready."""
+        opts = self.options
+        several = len(self.placement.order) > 1 or self.placement.targets.has_names
+        move_to = None
+        async with self._channel(endpoint) as channel:
             stub = controller_pb2_grpc.SpeculationControllerStub(channel)
             outbox: asyncio.Queue = asyncio.Queue()
             self._outbox = outbox
+            self._awaiting_since, self._receipt_through, self._handover = None, 0, False
             stream_up = asyncio.Event()
             call = stub.Connect(self._outbound(outbox, stream_up), metadata=self._call_metadata)
+            tasks: list[asyncio.Task] = []
             try:
                 # Telemetry stays queued until the stream is really up: steps
                 # drained into a call that never connects would be lost.
-                await call.wait_for_connection()
+                await asyncio.wait_for(call.wait_for_connection(), opts.connect_timeout_s)
+                self._up_at = time.monotonic()
+                self._arrived(endpoint, outbox)
                 stream_up.set()
                 self.stats.connected = True
-                stop_task = asyncio.create_task(self._stop.wait())
                 read_task = asyncio.create_task(self._inbound(call, outbox))
-                try:
-                    await asyncio.wait({stop_task, read_task}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    stop_task.cancel()
-                    read_task.cancel()
-                    call.cancel()
+                tasks = [asyncio.create_task(self._stop.wait()), read_task]
+                placement_task = None
+                if several:
+                    placement_task = asyncio.create_task(self._watch_placement(endpoint))
+                    tasks += [placement_task, asyncio.create_task(self._watch_silence(endpoint))]
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                if placement_task in done and not read_task.done():
+                    move_to = placement_task.result()
+                    await self._handover_wait(read_task)
             finally:
+                for task in tasks:
+                    task.cancel()
+                call.cancel()
+                self._outbox = None
+                self._keep_unsent(outbox)
                 # A call the controller ended (refused, restarted) leaves the request
                 # generator waiting: the sentinel ends it without draining telemetry.
-                self._outbox = None
                 outbox.put_nowait(_SESSION_OVER)
                 stream_up.set()
-                # Written, never confirmed: they may or may not have reached the controller.
-                self.stats.steps_unconfirmed += len(self._unconfirmed)
-                self._unconfirmed.clear()
-            if read_task.done() and not read_task.cancelled() and read_task.exception():
-                raise read_task.exception()
+            for task in tasks[1:]:  # the reader and the watchers: the first failure is the session's
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+        return move_to
+
+    def _keep_unsent(self, outbox: asyncio.Queue) -> None:
+        """The session is over: telemetry drained but never handed to gRPC (and what
+        still waits in its outbox) is replayed on the next stream. ACKs and NACKs are
+        not: they name plans of this stream, which no other stream knows."""
+        leftover = list(self._unsent or ())
+        if self._unsent is not None:
+            self._unsent.clear()  # the generator, should gRPC resume it, finds nothing more to send
+        self._unsent = None
+        while not outbox.empty():
+            leftover.append(outbox.get_nowait())
+        self._replay.extend(m for m in leftover
+                            if m is not _SESSION_OVER and m.WhichOneof("payload") in ("reports", "finished"))
+
+    async def _handover_wait(self, read_task: asyncio.Task) -> None:
+        """Moving back: stop writing telemetry here and give the replica up to
+        ``handover_wait_s`` to confirm what it was sent (what it does not confirm is re-sent)."""
+        self._handover = True
+        until = time.monotonic() + self.options.handover_wait_s
+        while self._unconfirmed and not read_task.done() and time.monotonic() < until:
+            await asyncio.sleep(0.02)
+
+    async def _watch_silence(self, endpoint: Endpoint) -> None:
+        """Raise :class:`ReplicaSilent` when steps were written and nothing came back for
+        ``response_deadline_s`` (a hung replica keeps its connection open), while there is
+        another replica to go to."""
+        deadline = self.options.response_deadline_s
+        if deadline <= 0:
+            await asyncio.Event().wait()
+        while True:
+            await asyncio.sleep(min(0.25, deadline / 4))
+            since = self._awaiting_since
+            if since is not None and len(self.placement.order) > 1 and time.monotonic() - since > deadline:
+                raise ReplicaSilent(f"{endpoint.address} sent nothing for {deadline:g} s after steps were written")
+
+    async def _watch_placement(self, endpoint: Endpoint) -> Endpoint:
+        """While on ``endpoint``: re-resolve names now and then, probe the
+        replicas ranked above it, and return one once it has answered probes
+        for ``return_after_s``."""
+        opts = self.options
+        while True:
+            await asyncio.sleep(opts.probe_interval_s * random.uniform(0.8, 1.2))
+            await self._resolve(opts.resolve_interval_s)
+            ahead = self.placement.ahead_of(endpoint)
+            if not ahead:
+                continue
+            serving = await asyncio.gather(*(self._probe(e) for e in ahead))
+            for e, ok in zip(ahead, serving):
+                self.placement.probed(e, ok)
+            target = self.placement.return_target(endpoint)
+            if target is not None:
+                return target
+
+    async def _probe(self, endpoint: Endpoint) -> bool:
+        """The gRPC health check of ``endpoint``'s controller service: SERVING or not."""
+        self.stats.probes += 1
+        try:
+            async with self._channel(endpoint) as channel:
+                check = channel.unary_unary(HEALTH_CHECK)  # no serializers: bytes in, bytes out
+                return health_serving(await check(health_request(_SERVICE), timeout=self.options.probe_timeout_s))
+        except grpc.aio.AioRpcError as err:
+            # A server that answers gRPC but has no health service is up as far as we can tell.
+            return err.code() == grpc.StatusCode.UNIMPLEMENTED
+        except Exception:  # noqa: BLE001 - whatever it is, the replica is not answering
+            return False
+
+    async def _resolve(self, max_age_s: float) -> None:
+        """Re-resolve the target names when the last resolution is older than ``max_age_s``."""
+        targets = self.placement.targets
+        if not targets.has_names or self._resolving or time.monotonic() - targets.resolved_at < max_age_s:
+            return
+        self._resolving = True
+        try:
+            endpoints = await asyncio.get_running_loop().run_in_executor(None, targets.resolve)
+        finally:
+            self._resolving = False
+        if self.placement.update(endpoints):
+            log.info("worker %r: controller replicas now %s", self.hello.worker_id,
+                     ", ".join(e.address for e in self.placement.order))
 
     async def _outbound(self, outbox: asyncio.Queue, stream_up: asyncio.Event):
+        # `unsent` is this stream's; when the session ends _keep_unsent takes it away
+        # (self._unsent changes). gRPC may still pull from this generator after that: it then
+        # returns, and must not drain telemetry meant for the next stream into a dead one.
+        unsent: deque[worker_pb2.WorkerMessage] = deque()
+        self._unsent = unsent
         yield worker_pb2.WorkerMessage(hello=self._current_hello())
         await stream_up.wait()
         interval = self.options.flush_interval_s
         last_sent = time.monotonic()
-        while True:
+        while self._unsent is unsent:
             try:
                 queued = [await asyncio.wait_for(outbox.get(), timeout=interval)]
                 while not outbox.empty():
                     queued.append(outbox.get_nowait())
             except asyncio.TimeoutError:
                 queued = []
-            if _SESSION_OVER in queued:
+            if _SESSION_OVER in queued or self._unsent is not unsent:
                 return
-            drained = self._drain()
+            drained = [] if self._handover else self._drain()
             if not queued and not drained and time.monotonic() - last_sent >= self.options.heartbeat_interval_s:
                 self.stats.heartbeats += 1
                 drained = [worker_pb2.WorkerMessage(reports=worker_pb2.StepReports())]
-            for msg in queued + drained:
-                if msg.WhichOneof("payload") == "reports":
-                    self._unconfirmed.extend(step.step_id for step in msg.reports.steps)
+            unsent.extend(queued + drained)
+            while unsent:
+                # Taken off before the yield: once yielded it is gRPC's (written); what is
+                # left when the session ends was never written (see _keep_unsent).
+                msg = unsent.popleft()
+                if msg.WhichOneof("payload") == "reports" and msg.reports.steps:
+                    steps = msg.reports.steps
+                    self._unconfirmed.extend(step.step_id for step in steps)
+                    self._resendable.extend(steps)
+                    if self._awaiting_since is None:
+                        self._awaiting_since = time.monotonic()
                 yield msg
             if queued or drained:
                 last_sent = time.monotonic()
@@ -383,11 +869,19 @@ class SpeculationAgent:
         return out
 
     async def _inbound(self, call, outbox: asyncio.Queue) -> None:
+        on_plan = self.options.on_plan
         async for msg in call:
             self.stats.connected = True
+            self._awaiting_since = None  # the replica is alive
             kind = msg.WhichOneof("payload")
             if kind == "plan":
-                outbox.put_nowait(self._apply_plan(msg.plan))
+                reply = self._apply_plan(msg.plan)
+                outbox.put_nowait(reply)
+                if on_plan is not None and reply.WhichOneof("payload") == "ack":
+                    try:
+                        on_plan(msg.plan)
+                    except Exception:  # noqa: BLE001 - the engine's hook must not end the stream
+                        log.exception("on_plan hook failed")
             elif kind == "request_decisions":
                 outbox.put_nowait(self._apply_decisions(msg.request_decisions))
             elif kind == "receipt":
@@ -401,21 +895,29 @@ class SpeculationAgent:
     def _confirm(self, last_step_id: int) -> None:
         """A receipt: the controller has read every step up to ``last_step_id``."""
         self.stats.receipts += 1
+        self._receipt_through = max(self._receipt_through, last_step_id)
         unconfirmed = self._unconfirmed
         while unconfirmed and unconfirmed[0] <= last_step_id:
             unconfirmed.popleft()
             self.stats.steps_confirmed += 1
+        resendable = self._resendable
+        while resendable and resendable[0].step_id <= last_step_id:
+            resendable.popleft()
 
     def _apply_plan(self, plan: plan_pb2.Plan) -> worker_pb2.WorkerMessage:
         try:
-            table = compile_plan(plan, self.hello, self.stats.plan_version)
+            compiled = compile_classes(plan, self.hello, compile_plan(plan, self.hello, self.stats.plan_version))
         except ValueError as err:
             self.stats.nacks_sent += 1
             return worker_pb2.WorkerMessage(nack=worker_pb2.Nack(version=plan.version, nonce=plan.nonce,
                                                                   reason=str(err)))
-        self._table = table
+        self._plan = compiled
         self.stats.plan_version = plan.version
         self.stats.plans_applied += 1
+        move = self._move
+        if move is not None:  # the first plan from the replica it moved to
+            move.first_plan_at = time.time()
+            self._move = None
         return worker_pb2.WorkerMessage(ack=worker_pb2.Ack(version=plan.version, nonce=plan.nonce))
 
     def _apply_decisions(self, msg: plan_pb2.RequestDecisions) -> worker_pb2.WorkerMessage:

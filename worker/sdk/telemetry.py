@@ -21,7 +21,11 @@ class RequestTelemetry:
     ``accepted`` and ``depth``. ``requested_depth``, ``requested_width``,
     ``requested_nodes``: the decision's shape (0 = off or unknown); with
     ``depth`` 0 they say the drafter offered nothing, with a smaller tree
-    which candidates it did not have.
+    which candidates it did not have. ``request_class``: the request's class
+    (a name from the plan's classes; empty = the default class);
+    ``acceptance_rule``: the rule this step verified it with, ``"strict"``
+    (also ``""``) or ``"typical"`` — only where ``agent.acceptance_rule``
+    allowed it for the class (the controller counts any other as a violation).
     """
 
     request_id: str
@@ -38,6 +42,12 @@ class RequestTelemetry:
     requested_width: int = 0
     requested_nodes: int = 0
     caught_up_tokens: int = 0  # the drafter caught up on these before the draft (``CatchUp``)
+    request_class: str = ""
+    acceptance_rule: str = ""  # "" or "strict": lossless; "typical": relaxed
+
+    def __post_init__(self) -> None:
+        if self.acceptance_rule not in ("", "strict", "typical"):
+            raise ValueError(f"acceptance_rule = {self.acceptance_rule!r}: must be '', 'strict' or 'typical'")
 
     def position_outcomes(self) -> tuple[list[int], list[int]]:
         """(accepted_rank, level_candidates), derived for chains when not given."""

@@ -6,6 +6,11 @@ The agent contract (``worker/sdk/agent.py``)::
     agent.observe(StepTelemetry) -> None
     agent.finish(RequestSummary) -> None
 
+With request classes in the scenario's traffic (``class_mix``) the worker
+asks ``decide(request_id, context_len, batch_size, request_class)`` of a
+callable that takes a fourth argument (``SpeculationAgent.decide`` does); a
+three-argument one is asked as before, blind to classes.
+
 :func:`run_simulated` accepts either a bare ``decide`` callable or an object
 with that contract; :func:`run_fleet_simulated` interleaves several workers in
 time order (so a shared controller sees their reports as it would live);
@@ -29,7 +34,8 @@ from worker.sdk.telemetry import RequestSummary, StepTelemetry
 
 
 class AgentLike(Protocol):
-    def decide(self, request_id: str, context_len: int, batch_size: int) -> Decision: ...
+    # request_class: passed (fourth) only when the traffic has request classes and decide takes it.
+    def decide(self, request_id: str, context_len: int, batch_size: int, request_class: str = "") -> Decision: ...
 
     def observe(self, step: StepTelemetry) -> None: ...
 

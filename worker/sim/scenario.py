@@ -20,6 +20,7 @@ Schema (see ``worker/sim/scenarios/*.yaml`` for complete files)::
       #   or {kind: mixture, components: [{weight: 0.8, kind: lognormal, ...}, ...]}
       output_len: {kind: lognormal, median: 256, sigma: 0.6, max: 2048}
       domain_mix: {chat: 0.7, code: 0.3}
+      class_mix: {interactive: 1, batch: 3}   # optional: request classes (names from ``classes:``)
       predictability: {a: 8, b: 8, low: 0.7, high: 1.3}   # per-request acceptance multiplier
       correlated_acceptance:    # optional (default off): acceptance in spans, a hidden state per request
         states:                 # 2-8 states; each: acceptance (rank-1, absolute) or scale (x the request's own)
@@ -48,6 +49,10 @@ Schema (see ``worker/sim/scenarios/*.yaml`` for complete files)::
     preset_config:                      # optional, for ``specctl bench policies`` only
       vllm-batch-table: {num_speculative_tokens: 2,
                          num_speculative_tokens_per_batch_size: [[1, 4, 2], [5, 512, 0]]}
+    classes:                            # optional: the policy file's request classes (policies/classes.py)
+      interactive: {weight: 4, tpot_target_ms: 40, tpot_quantile: p99}
+      batch: {weight: 1}
+    default_class: batch
 
 ``correlated_acceptance`` (:class:`worker.sim.acceptance.CorrelatedAcceptance`)
 makes acceptance within a request correlated: spans of output tokens where
@@ -66,6 +71,22 @@ tokens per second tell policies apart only in overload. Closed-loop users
 (``closed``) send their next request when the last one is answered, as
 vLLM's benchmark does with ``--max-concurrency``: a better decision emits
 more tokens in the same time.
+
+Request classes (issue #29). ``classes:`` / ``default_class:`` are the
+``classes:`` section of a policy file (:func:`policies.classes.parse_classes`
+validates them, with the same messages): the policy benchmark lays them over
+every preset it runs on the scenario (a ``preset_config`` entry that gives its
+own ``classes`` keeps those), and reports TPOT and goodput per class. A
+traffic's ``class_mix`` says which class each request is in: open-loop
+arrivals draw their class from the mix (from a stream of their own, so
+every other attribute and arrival time stays what it is without classes), while
+closed-loop users each belong to one class for good: users are given classes
+in an interleaved order (user ``u`` joins the class furthest below its share
+among users ``0..u``), so any number of active users splits as the mix does.
+Every name in a ``class_mix`` must be one of ``classes``; a scenario with
+``classes`` but no ``class_mix`` sends every request without a class (the
+default class). Without either nothing changes: requests have no class and
+every seeded result is the same as before classes existed.
 
 ``preset_config`` maps a shipped policy preset's name (a file stem in
 ``policies/presets/``) to fields laid over that preset's own for this
@@ -94,6 +115,7 @@ from pydantic import (
     model_validator,
 )
 
+from policies.classes import ClassSet, parse_classes
 from worker.sim.acceptance import PROFILES as ACCEPTANCE_PROFILES
 from worker.sim.acceptance import AcceptanceProfile, CorrelatedAcceptance
 from worker.sim.hardware import (
@@ -115,6 +137,7 @@ from worker.sim.measured import (
 )
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+_CLASSES_SOURCE = "<scenario>"  # parse_classes' source, cut from its messages (the scenario names the file)
 
 
 class Strict(BaseModel):
@@ -291,12 +314,12 @@ class Predictability(Strict):
         return self.low + (self.high - self.low) * float(rng.beta(self.a, self.b))
 
 
-def _check_mix(v: dict[str, float]) -> dict[str, float]:
+def _check_mix(v: dict[str, float], what: str = "domain") -> dict[str, float]:
     bad = {k: w for k, w in v.items() if not (w >= 0 and math.isfinite(w))}
     if bad:
-        raise ValueError(f"domain weights must be finite and >= 0, got {bad}")
+        raise ValueError(f"{what} weights must be finite and >= 0, got {bad}")
     if v and sum(v.values()) <= 0:
-        raise ValueError(f"domain weights must not all be 0, got {v}")
+        raise ValueError(f"{what} weights must not all be 0, got {v}")
     return v
 
 
@@ -311,11 +334,19 @@ class Traffic(Strict):
     correlated_acceptance: CorrelatedAcceptance | None = Field(
         None, description="acceptance in spans, a hidden Markov state per request (default: off)"
     )
+    class_mix: dict[str, float] | None = Field(
+        None, min_length=1, description="request classes (names from the scenario's classes:) and their shares"
+    )
 
     @field_validator("domain_mix")
     @classmethod
     def _mix(cls, v: dict[str, float]) -> dict[str, float]:
         return _check_mix(v)
+
+    @field_validator("class_mix")
+    @classmethod
+    def _classes(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        return None if v is None else _check_mix(v, "class")
 
 
 class TrafficOverride(Strict):
@@ -325,11 +356,17 @@ class TrafficOverride(Strict):
     domain_mix: dict[str, float] | None = None
     predictability: Predictability | None = None
     correlated_acceptance: CorrelatedAcceptance | None = None
+    class_mix: dict[str, float] | None = Field(None, min_length=1)
 
     @field_validator("domain_mix")
     @classmethod
     def _mix(cls, v):
         return None if v is None else _check_mix(v)
+
+    @field_validator("class_mix")
+    @classmethod
+    def _classes(cls, v):
+        return None if v is None else _check_mix(v, "class")
 
 
 # -- workers -----------------------------------------------------------------
@@ -528,6 +565,10 @@ class Scenario(Strict):
     preset_config: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per preset name: fields laid over the preset file's (policy benchmark)"
     )
+    classes: dict[str, Any] | None = Field(
+        None, description="request classes as a policy file's classes: (policy benchmark: laid over every preset)"
+    )
+    default_class: str | None = Field(None, description="the class of a request that names none (with classes:)")
 
     @field_validator("domain_acceptance")
     @classmethod
@@ -583,10 +624,61 @@ class Scenario(Strict):
                         problems.append(f"{where}.users: {ch.users} for worker {wid!r}, whose base users are 0 "
                                         "(nothing to scale)")
                         break
-        problems.extend(_preset_config_problems(self.preset_config))
+        problems.extend(self._class_problems())
+        problems.extend(_preset_config_problems(self.preset_config, self.policy_classes()))
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _class_problems(self) -> list[str]:
+        """``classes`` as a policy file's, and every ``class_mix`` naming only those classes."""
+        try:
+            cs = self.class_set()
+        except ValueError as exc:
+            return [str(exc).removeprefix(f"{_CLASSES_SOURCE}: ")]
+        names = set(cs.names) if self.classes is not None else set()
+        mixes = [("traffic", self.traffic.class_mix)]
+        mixes += [(f"workers.{i}.traffic", s.traffic.class_mix) for i, s in enumerate(self.workers)
+                  if s.traffic is not None]
+        problems = []
+        for where, mix in mixes:
+            if mix is None:
+                continue
+            unknown = [c for c in mix if c not in names]
+            if unknown:
+                known = f"known: {sorted(names)}" if names else "the scenario has no classes: section"
+                problems.append(f"{where}.class_mix: unknown classes {unknown} ({known})")
+        return problems
+
+    def class_set(self) -> ClassSet:
+        """The scenario's request classes (one ``default`` class without ``classes``)."""
+        return parse_classes(self.classes, self.default_class, _CLASSES_SOURCE)
+
+    def policy_classes(self) -> dict[str, Any]:
+        """The ``classes`` / ``default_class`` fields to lay over a preset (empty without classes)."""
+        if self.classes is None:
+            return {}
+        out: dict[str, Any] = {"classes": self.classes}
+        if self.default_class is not None:
+            out["default_class"] = self.default_class
+        return out
+
+    def preset_fields(self, preset: str) -> dict[str, Any] | None:
+        """Fields laid over ``preset``'s file for this scenario: its ``preset_config`` entry over the
+        scenario's classes (an entry with its own ``classes`` keeps them); ``None`` when neither is set."""
+        own = self.preset_config.get(preset)
+        base = self.policy_classes()
+        if own is not None and "classes" in own:
+            base = {}
+        if not base and own is None:
+            return None
+        return {**base, **(own or {})}
+
+    @property
+    def has_classes(self) -> bool:
+        """Whether any request carries a class (a ``class_mix`` anywhere)."""
+        return self.traffic.class_mix is not None or any(
+            s.traffic is not None and s.traffic.class_mix is not None for s in self.workers)
 
     def domains(self) -> set[str]:
         """Every domain named by a traffic mix, a domain factor or a domain_mix change."""
@@ -618,8 +710,10 @@ class Scenario(Strict):
         return np.random.SeedSequence([self.seed, zlib.crc32(worker_id.encode())])
 
 
-def _preset_config_problems(preset_config: dict[str, dict[str, Any]]) -> list[str]:
-    """One line per preset override that the preset's own validation refuses."""
+def _preset_config_problems(preset_config: dict[str, dict[str, Any]],
+                            classes: dict[str, Any] | None = None) -> list[str]:
+    """One line per preset override that the preset's own validation refuses
+    (with the scenario's ``classes`` under it, unless the override gives its own)."""
     if not preset_config:
         return []
     # Imported here: the policy registry is only needed by scenarios that configure presets.
@@ -632,8 +726,9 @@ def _preset_config_problems(preset_config: dict[str, dict[str, Any]]) -> list[st
         if name not in shipped:
             problems.append(f"{where}: unknown preset {name!r} (shipped: {', '.join(shipped)})")
             continue
+        merged = fields if not classes or "classes" in fields else {**classes, **fields}
         try:
-            load_preset(name, fields, overrides_source=where)
+            load_preset(name, merged, overrides_source=where)
         except PresetError as exc:
             problems.append(str(exc))
     return problems

@@ -17,6 +17,14 @@ times from its own seed stream, so its ``k``-th request is the same under
 every policy in distribution and, while the schedule does not change the
 distributions, exactly; a faster policy simply gets further down each
 user's list.
+
+Request classes (``traffic.class_mix``): an open-loop arrival draws its
+class from the mix, from a stream of its own (a fourth child of the
+arrivals' seed, made only when there is a mix), so every other attribute
+and time is what it is without classes; a closed-loop user belongs to one
+class for good (:func:`interleave_classes`). Without a ``class_mix``
+nothing is drawn and requests carry no class (``request_class == ""``), so
+the streams are exactly those of before.
 """
 
 from __future__ import annotations
@@ -51,6 +59,27 @@ class Arrival:
     output_len: int
     domain: str
     multiplier: float
+    request_class: str = ""  # "" = none (the policy's default class)
+
+
+def interleave_classes(mix: dict[str, float], n: int) -> list[str]:
+    """The classes of users ``0..n-1``: user ``u`` joins the class furthest below its
+    share among users ``0..u`` (ties: the first in the mix), so every prefix of the
+    users splits as ``mix`` does, within one user per class.
+
+    >>> interleave_classes({"interactive": 1, "batch": 3}, 8)
+    ['batch', 'interactive', 'batch', 'batch', 'batch', 'interactive', 'batch', 'batch']
+    """
+    names = list(mix)
+    w = np.array([mix[c] for c in names], dtype=np.float64)
+    share = w / w.sum()
+    counts = np.zeros(len(names))
+    out = []
+    for u in range(n):
+        k = int(np.argmax(share * (u + 1) - counts))
+        counts[k] += 1
+        out.append(names[k])
+    return out
 
 
 class _LengthSchedule:
@@ -127,6 +156,11 @@ class TrafficGenerator:
         self.prompt = _LengthSchedule(traffic.prompt_len, [(c.at_s, c.over_s, c.prompt_len) for c in ctx if c.prompt_len])
         self.output = _LengthSchedule(traffic.output_len, [(c.at_s, c.over_s, c.output_len) for c in ctx if c.output_len])
 
+        self._classes: tuple[list[str], np.ndarray, np.random.Generator] | None = None
+        if traffic.class_mix is not None:  # (names, cumulative shares, the class stream)
+            w = np.array(list(traffic.class_mix.values()), dtype=np.float64)
+            self._classes = (list(traffic.class_mix), np.cumsum(w) / w.sum(), np.random.default_rng(ss.spawn(1)[0]))
+
         mixes = [c for c in changes if isinstance(c, DomainMixChange)]
         self.domains = sorted(set(traffic.domain_mix).union(*(c.domain_mix for c in mixes)))
         self._mix = [
@@ -178,8 +212,10 @@ class TrafficGenerator:
         return dict(zip(self.domains, w.tolist()))
 
     # -- arrivals --------------------------------------------------------------
-    def draw(self, request_id: str, t: float, rng: np.random.Generator) -> Arrival:
-        """A request arriving at ``t``, its attributes drawn from ``rng``."""
+    def draw(self, request_id: str, t: float, rng: np.random.Generator, request_class: str | None = None) -> Arrival:
+        """A request arriving at ``t``, its attributes drawn from ``rng``; its class
+        ``request_class`` when given (a closed-loop user's), else drawn from the
+        traffic's ``class_mix`` (none without one)."""
         weights = self.domain_weights(t)
         cum = np.cumsum(list(weights.values()))
         k = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
@@ -187,7 +223,11 @@ class TrafficGenerator:
         prompt = self.prompt.sample(t, rng)
         output = self.output.sample(t, rng)
         mult = self.traffic.predictability.sample(rng)
-        return Arrival(request_id, t, prompt, output, domain, mult)
+        if request_class is None and self._classes is not None:
+            # From the class stream: the attribute stream stays what it is without classes.
+            names, cum, class_rng = self._classes
+            request_class = names[min(int(np.searchsorted(cum, class_rng.random(), side="right")), len(names) - 1)]
+        return Arrival(request_id, t, prompt, output, domain, mult, request_class or "")
 
     def _generate(self) -> Arrival | None:
         if self._lambda_max <= 0:
@@ -250,6 +290,8 @@ class _Users:
         heapq.heapify(self.ready)
         self.waiting_turn: list[int] = []  # ready but not counted among the active users (a heap)
         self.owner: dict[str, int] = {}
+        mix = gen.traffic.class_mix
+        self.classes = interleave_classes(mix, n) if mix is not None else None  # each user's class for good
         self.can_grow = bool(gen.scale.setpoints) or arr.bursty
 
     def _think(self, u: int) -> float:
@@ -273,7 +315,7 @@ class _Users:
         rid = f"{self.gen.id_prefix}/u{u}.{self.sent[u]}"
         self.sent[u] += 1
         self.owner[rid] = u
-        return self.gen.draw(rid, t, self.streams[u])
+        return self.gen.draw(rid, t, self.streams[u], self.classes[u] if self.classes is not None else None)
 
     def finished(self, request_id: str, t: float) -> None:
         u = self.owner.pop(request_id, None)

@@ -8,7 +8,13 @@ Each :meth:`SimWorker.step` is one engine iteration:
    (prompt + full output, reserved up front) fits;
 2. ``decide(request_id, context_len, batch_size)`` is asked for every running
    request (exactly ``SpeculationAgent.decide``) and clamped to the drafter's
-   limits;
+   limits; when the traffic has request classes (``class_mix``) the request's
+   class comes fourth, ``decide(request_id, context_len, batch_size,
+   request_class)`` (a three-argument callable, blind to classes, is asked
+   without it), and the step reports it per request
+   (``RequestTelemetry.request_class``, so ``RequestStep.request_class`` on
+   the wire, and ``StepResult.request_classes``); every draft is verified
+   strictly (the simulator has no relaxed acceptance);
 3. each request's tree is built from its ground-truth ``q`` and its outcome
    sampled; it advances by ``τ + 1`` tokens (fewer if its output ends).
    With the traffic's ``correlated_acceptance`` each request carries a
@@ -37,6 +43,7 @@ statistics stay unbiased; ``generated_tokens`` counts kept tokens only.
 
 from __future__ import annotations
 
+import inspect
 import math
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -52,8 +59,22 @@ from worker.sim.traffic import TrafficGenerator
 from worker.sim.tree import EMPTY_TREE, TreeCache, chain_tree, quantize, sample_outcomes
 from worker.sdk.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
 
-DecideFn = Callable[[str, int, int], Decision]
+# decide(request_id, context_len, batch_size) -> Decision; with request classes in the
+# traffic: decide(request_id, context_len, batch_size, request_class) -> Decision.
+DecideFn = Callable[..., Decision]
 ENGINE = "specctl-sim"
+
+
+def accepts_class(decide: Callable) -> bool:
+    """Whether a decide callable takes the request's class as a fourth positional argument
+    (``*args`` counts; a callable whose signature cannot be read is assumed to)."""
+    try:
+        params = inspect.signature(decide).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return (any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+            or sum(p.kind in kinds for p in params) >= 4)
 
 
 # -- hello -------------------------------------------------------------------
@@ -115,6 +136,7 @@ class SimRequest:
     steps: int = 0
     accepted: int = 0
     spans: SpanPath | None = None  # hidden acceptance states of its output tokens (correlated acceptance)
+    request_class: str = ""  # "" = none (the policy's default class)
 
     @property
     def context_len(self) -> int:
@@ -127,7 +149,15 @@ class SimRequest:
 
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
-    """A finished request, for latency statistics (times in scenario seconds)."""
+    """A finished request, for latency statistics (times in scenario seconds).
+
+    :attr:`tpot_ms` is its time per output token in simulated time: the
+    time it spent in the batch (the steps it was in, back to back: each
+    step's draft + verify, plus the prefill of requests admitted in that
+    step when the worker charges prefill) over the tokens it emitted. With
+    ``prefill: false`` (every shipped scenario) that is exactly its decode
+    step time, Σ (draft_ms + verify_ms) over its steps, over its tokens.
+    """
 
     request_id: str
     domain: str
@@ -138,6 +168,7 @@ class RequestRecord:
     generated_tokens: int
     steps: int
     accepted_tokens: int
+    request_class: str = ""
 
     @property
     def tpot_ms(self) -> float:
@@ -164,6 +195,10 @@ class StepResult:
     tokens: int = 0
     prefill_ms: float = 0.0
     idle: bool = False
+    # With request classes: each request's class, in ``telemetry.requests`` order (empty without).
+    request_classes: tuple[str, ...] = ()
+    request_tokens: tuple[int, ...] = ()  # with request classes: tokens each request emitted, same order
+    records: list[RequestRecord] = field(default_factory=list)  # the requests that finished in this step
 
     @property
     def end(self) -> float:
@@ -188,6 +223,7 @@ class WorkerStats:
     admitted: int = 0
     rejected: int = 0
     finished: list[RequestRecord] = field(default_factory=list)
+    class_tokens: dict[str, int] = field(default_factory=dict)  # tokens per request class (with classes)
 
     @property
     def goodput(self) -> float:
@@ -275,6 +311,7 @@ class SimWorker:
         ss = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
         arrivals_ss, outcome_ss, noise_ss = ss.spawn(3)
         self.traffic = TrafficGenerator(traffic, changes, arrivals_ss, id_prefix=worker_id)
+        self.classed = traffic.class_mix is not None  # requests carry classes: decide gets them too
         self._outcome_rng = np.random.default_rng(outcome_ss)
         self._noise_rng = np.random.default_rng(noise_ss)
 
@@ -312,6 +349,7 @@ class SimWorker:
         self.trees = TreeCache()
         self._step_id = 0
         self._clamped: dict[Decision, Decision] = {}
+        self._decide_sig: tuple[DecideFn, bool] | None = None  # the last decide callable and whether it takes a class
 
     @classmethod
     def fleet(cls, scenario: Scenario, decide: DecideFn | None = None, time_origin: float = 0.0) -> list["SimWorker"]:
@@ -400,9 +438,20 @@ class SimWorker:
             out = self._clamped[decision] = decision.clamp(self.max_depth, self.max_width, self.max_nodes)
         return out
 
+    def _takes_class(self, decide: DecideFn) -> bool:
+        """Whether ``decide`` takes a fourth argument, the request's class (a class-blind
+        three-argument callable is asked without it). Looked up once per callable."""
+        last = self._decide_sig
+        if last is not None and (last[0] is decide or last[0] == decide):  # == : a bound method made anew
+            return last[1]
+        takes = accepts_class(decide)
+        self._decide_sig = (decide, takes)
+        return takes
+
     def _admit(self, now: float) -> list[SimRequest]:
         for a in self.traffic.pop_until(now):
-            r = SimRequest(a.request_id, a.arrival_s, a.prompt_len, a.output_len, a.domain, a.multiplier)
+            r = SimRequest(a.request_id, a.arrival_s, a.prompt_len, a.output_len, a.domain, a.multiplier,
+                           request_class=a.request_class)
             if self.spans is not None and self.spans.applies_to(a.domain):
                 r.spans = self.spans.path(self._span_seed(a.request_id))
             self.waiting.append(r)
@@ -450,8 +499,10 @@ class SimWorker:
         now
             Scenario seconds at the start of the step.
         decide
-            ``decide(request_id, context_len, batch_size) -> Decision``; defaults
-            to the one given at construction.
+            ``decide(request_id, context_len, batch_size) -> Decision``
+            (``decide(request_id, context_len, batch_size, request_class)``
+            when the traffic has classes); defaults to the one given at
+            construction.
         """
         decide = decide or self.decide
         if decide is None:
@@ -467,7 +518,10 @@ class SimWorker:
         ctx_l = [r.prompt_len + r.generated for r in running]
         ctx = np.array(ctx_l, np.int64)
         clamp = self._clamp
-        decisions = [clamp(decide(r.request_id, c, b)) for r, c in zip(running, ctx_l)]
+        if self.classed and self._takes_class(decide):
+            decisions = [clamp(decide(r.request_id, c, b, r.request_class)) for r, c in zip(running, ctx_l)]
+        else:
+            decisions = [clamp(decide(r.request_id, c, b)) for r, c in zip(running, ctx_l)]
         q = self.rank_probs(running, now)
         if any(d.width > 1 for d in decisions):
             qconf = quantize(q)
@@ -501,7 +555,10 @@ class SimWorker:
             conf_l = (quantize(q[:, :, 0]) / 256.0).round(4).tolist()
         reqs: list[RequestTelemetry] = []
         finished: list[RequestSummary] = []
+        records: list[RequestRecord] = []
         still: list[SimRequest] = []
+        class_tokens = self.stats.class_tokens if self.classed else None
+        emitted_l: list[int] = []
         tokens = 0
         spec_steps = 0
         st = self.stats
@@ -520,23 +577,27 @@ class SimWorker:
                     offered_l[i],
                     conf_l[i][: len(ranks_l[i])] if conf_l is not None and t.depth else (),
                     r.domain,
+                    request_class=r.request_class,
                 )
             )
             emitted = min(tau + 1, r.output_len - r.generated)
+            if class_tokens is not None:
+                emitted_l.append(emitted)
             r.generated += emitted
             r.steps += 1
             r.accepted += tau
             tokens += emitted
+            if class_tokens is not None:
+                class_tokens[r.request_class] = class_tokens.get(r.request_class, 0) + emitted
             spec_steps += t.depth > 0
             if r.generated >= r.output_len:
                 self.kv_reserved -= r.reserved_kv
                 self.traffic.finished(r.request_id, end)
                 finished.append(RequestSummary(r.request_id, r.generated, r.steps, r.accepted, stamp))
-                st.finished.append(
-                    RequestRecord(
-                        r.request_id, r.domain, r.arrival_s, r.admitted_s, end, r.prompt_len, r.generated, r.steps, r.accepted
-                    )
-                )
+                record = RequestRecord(r.request_id, r.domain, r.arrival_s, r.admitted_s, end, r.prompt_len,
+                                       r.generated, r.steps, r.accepted, r.request_class)
+                st.finished.append(record)
+                records.append(record)
             else:
                 still.append(r)
         self.running = still
@@ -552,4 +613,6 @@ class SimWorker:
         st.verify_ms += verify
         st.prefill_ms += prefill_ms
         telemetry = StepTelemetry(self._step_id, stamp, b, draft, verify, reqs)
-        return StepResult(now, duration_s, telemetry, finished, tokens, prefill_ms)
+        classes = tuple(r.request_class for r in running) if self.classed else ()
+        return StepResult(now, duration_s, telemetry, finished, tokens, prefill_ms, request_classes=classes,
+                          request_tokens=tuple(emitted_l) if self.classed else (), records=records)

@@ -179,14 +179,16 @@ class DecideRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., hello: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., reports: _Optional[_Union[_worker_pb2.StepReports, _Mapping]] = ..., queries: _Optional[_Iterable[_Union[DecideQuery, _Mapping]]] = ...) -> None: ...
 
 class DecideQuery(_message.Message):
-    __slots__ = ("request_id", "context_len", "batch_size")
+    __slots__ = ("request_id", "context_len", "batch_size", "request_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_len: int
     batch_size: int
-    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    request_class: str
+    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., batch_size: _Optional[int] = ..., request_class: _Optional[str] = ...) -> None: ...
 
 class DecideResponse(_message.Message):
     __slots__ = ("decisions", "plan_version", "rejections")
@@ -257,7 +259,7 @@ class StratumAcceptance(_message.Message):
     def __init__(self, drafter_kind: _Optional[_Union[_worker_pb2.DrafterKind, str]] = ..., drafter_version: _Optional[str] = ..., context_len_min: _Optional[int] = ..., context_len_max: _Optional[int] = ..., alpha: _Optional[_Iterable[float]] = ..., effective_samples: _Optional[_Iterable[float]] = ..., expected_accepted_chain: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("hello", "connected", "plan_version", "acked_plan_version", "nacks", "steps_ingested", "last_report_at", "cost_model", "acceptance", "mean_batch_size", "mean_context_len", "observed_goodput_tok_s", "plan", "session", "last_seen_at", "expired", "streams_superseded", "plans_used", "last_nack_reason", "steps_received")
+    __slots__ = ("hello", "connected", "plan_version", "acked_plan_version", "nacks", "steps_ingested", "last_report_at", "cost_model", "acceptance", "mean_batch_size", "mean_context_len", "observed_goodput_tok_s", "plan", "session", "last_seen_at", "expired", "streams_superseded", "plans_used", "last_nack_reason", "steps_received", "classes", "unknown_class_request_steps", "unknown_class_queries", "typical_violations", "acceptance_typical", "replica_id", "replica_live")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +280,13 @@ class WorkerStatus(_message.Message):
     PLANS_USED_FIELD_NUMBER: _ClassVar[int]
     LAST_NACK_REASON_FIELD_NUMBER: _ClassVar[int]
     STEPS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_CLASS_REQUEST_STEPS_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_CLASS_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_TYPICAL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_LIVE_FIELD_NUMBER: _ClassVar[int]
     hello: _worker_pb2.Hello
     connected: bool
     plan_version: int
@@ -298,7 +307,54 @@ class WorkerStatus(_message.Message):
     plans_used: int
     last_nack_reason: str
     steps_received: int
-    def __init__(self, hello: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., connected: _Optional[bool] = ..., plan_version: _Optional[int] = ..., acked_plan_version: _Optional[int] = ..., nacks: _Optional[int] = ..., steps_ingested: _Optional[int] = ..., last_report_at: _Optional[float] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ..., acceptance: _Optional[_Iterable[_Union[StratumAcceptance, _Mapping]]] = ..., mean_batch_size: _Optional[float] = ..., mean_context_len: _Optional[float] = ..., observed_goodput_tok_s: _Optional[float] = ..., plan: _Optional[_Union[_plan_pb2.Plan, _Mapping]] = ..., session: _Optional[_Union[WorkerSession, str]] = ..., last_seen_at: _Optional[float] = ..., expired: _Optional[bool] = ..., streams_superseded: _Optional[int] = ..., plans_used: _Optional[int] = ..., last_nack_reason: _Optional[str] = ..., steps_received: _Optional[int] = ...) -> None: ...
+    classes: _containers.RepeatedCompositeFieldContainer[ClassStatus]
+    unknown_class_request_steps: int
+    unknown_class_queries: int
+    typical_violations: int
+    acceptance_typical: _containers.RepeatedCompositeFieldContainer[StratumAcceptance]
+    replica_id: str
+    replica_live: bool
+    def __init__(self, hello: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., connected: _Optional[bool] = ..., plan_version: _Optional[int] = ..., acked_plan_version: _Optional[int] = ..., nacks: _Optional[int] = ..., steps_ingested: _Optional[int] = ..., last_report_at: _Optional[float] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ..., acceptance: _Optional[_Iterable[_Union[StratumAcceptance, _Mapping]]] = ..., mean_batch_size: _Optional[float] = ..., mean_context_len: _Optional[float] = ..., observed_goodput_tok_s: _Optional[float] = ..., plan: _Optional[_Union[_plan_pb2.Plan, _Mapping]] = ..., session: _Optional[_Union[WorkerSession, str]] = ..., last_seen_at: _Optional[float] = ..., expired: _Optional[bool] = ..., streams_superseded: _Optional[int] = ..., plans_used: _Optional[int] = ..., last_nack_reason: _Optional[str] = ..., steps_received: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStatus, _Mapping]]] = ..., unknown_class_request_steps: _Optional[int] = ..., unknown_class_queries: _Optional[int] = ..., typical_violations: _Optional[int] = ..., acceptance_typical: _Optional[_Iterable[_Union[StratumAcceptance, _Mapping]]] = ..., replica_id: _Optional[str] = ..., replica_live: _Optional[bool] = ...) -> None: ...
+
+class ClassStatus(_message.Message):
+    __slots__ = ("name", "is_default", "weight", "tpot_target_ms", "tpot_quantile", "acceptance_rule", "share", "tpot_ms_p50", "tpot_ms_p99", "tpot_requests", "tau", "spec_fraction", "tokens_per_step", "step_ms_mean", "mean_context_len", "request_steps", "tokens", "typical_request_steps")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TPOT_TARGET_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RULE_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_P50_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_P99_FIELD_NUMBER: _ClassVar[int]
+    TPOT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TAU_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    MEAN_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_REQUEST_STEPS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    is_default: bool
+    weight: float
+    tpot_target_ms: float
+    tpot_quantile: str
+    acceptance_rule: _plan_pb2.AcceptanceRule
+    share: float
+    tpot_ms_p50: float
+    tpot_ms_p99: float
+    tpot_requests: int
+    tau: float
+    spec_fraction: float
+    tokens_per_step: float
+    step_ms_mean: float
+    mean_context_len: float
+    request_steps: int
+    tokens: int
+    typical_request_steps: int
+    def __init__(self, name: _Optional[str] = ..., is_default: _Optional[bool] = ..., weight: _Optional[float] = ..., tpot_target_ms: _Optional[float] = ..., tpot_quantile: _Optional[str] = ..., acceptance_rule: _Optional[_Union[_plan_pb2.AcceptanceRule, str]] = ..., share: _Optional[float] = ..., tpot_ms_p50: _Optional[float] = ..., tpot_ms_p99: _Optional[float] = ..., tpot_requests: _Optional[int] = ..., tau: _Optional[float] = ..., spec_fraction: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., mean_context_len: _Optional[float] = ..., request_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., typical_request_steps: _Optional[int] = ...) -> None: ...
 
 class RejectionCount(_message.Message):
     __slots__ = ("reason", "count")
@@ -309,7 +365,7 @@ class RejectionCount(_message.Message):
     def __init__(self, reason: _Optional[_Union[_plan_pb2.RejectReason, str]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("workers", "rejections", "policy", "policy_reloads", "policy_reload_failures", "streams_superseded", "workers_expired", "worker_idle_ttl_s")
+    __slots__ = ("workers", "rejections", "policy", "policy_reloads", "policy_reload_failures", "streams_superseded", "workers_expired", "worker_idle_ttl_s", "replica_id", "replicas", "placements", "fleet_store")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +374,10 @@ class GetStatusResponse(_message.Message):
     STREAMS_SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     WORKER_IDLE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_STORE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     rejections: _containers.RepeatedCompositeFieldContainer[RejectionCount]
     policy: str
@@ -326,4 +386,70 @@ class GetStatusResponse(_message.Message):
     streams_superseded: int
     workers_expired: int
     worker_idle_ttl_s: float
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., rejections: _Optional[_Iterable[_Union[RejectionCount, _Mapping]]] = ..., policy: _Optional[str] = ..., policy_reloads: _Optional[int] = ..., policy_reload_failures: _Optional[int] = ..., streams_superseded: _Optional[int] = ..., workers_expired: _Optional[int] = ..., worker_idle_ttl_s: _Optional[float] = ...) -> None: ...
+    replica_id: str
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    placements: _containers.RepeatedCompositeFieldContainer[WorkerPlacement]
+    fleet_store: FleetStoreHealth
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., rejections: _Optional[_Iterable[_Union[RejectionCount, _Mapping]]] = ..., policy: _Optional[str] = ..., policy_reloads: _Optional[int] = ..., policy_reload_failures: _Optional[int] = ..., streams_superseded: _Optional[int] = ..., workers_expired: _Optional[int] = ..., worker_idle_ttl_s: _Optional[float] = ..., replica_id: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[WorkerPlacement, _Mapping]]] = ..., fleet_store: _Optional[_Union[FleetStoreHealth, _Mapping]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica_id", "address", "live", "workers", "started_at")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    live: bool
+    workers: int
+    started_at: float
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., live: _Optional[bool] = ..., workers: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class WorkerPlacement(_message.Message):
+    __slots__ = ("worker_id", "replica_id", "replica_live", "since")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_LIVE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    replica_id: str
+    replica_live: bool
+    since: float
+    def __init__(self, worker_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., replica_live: _Optional[bool] = ..., since: _Optional[float] = ...) -> None: ...
+
+class FleetStoreHealth(_message.Message):
+    __slots__ = ("backend", "url", "fleet", "up", "outages", "down_for_s", "last_error", "failed_calls", "failed_merges", "unmerged_evidence", "since_merge_s", "merges", "live_replicas", "leases_held", "alert_events_queued", "first_plans_held")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    FLEET_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    OUTAGES_FIELD_NUMBER: _ClassVar[int]
+    DOWN_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_MERGES_FIELD_NUMBER: _ClassVar[int]
+    UNMERGED_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_MERGE_S_FIELD_NUMBER: _ClassVar[int]
+    MERGES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
+    ALERT_EVENTS_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PLANS_HELD_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    url: str
+    fleet: str
+    up: bool
+    outages: int
+    down_for_s: float
+    last_error: str
+    failed_calls: int
+    failed_merges: int
+    unmerged_evidence: float
+    since_merge_s: float
+    merges: int
+    live_replicas: int
+    leases_held: int
+    alert_events_queued: int
+    first_plans_held: int
+    def __init__(self, backend: _Optional[str] = ..., url: _Optional[str] = ..., fleet: _Optional[str] = ..., up: _Optional[bool] = ..., outages: _Optional[int] = ..., down_for_s: _Optional[float] = ..., last_error: _Optional[str] = ..., failed_calls: _Optional[int] = ..., failed_merges: _Optional[int] = ..., unmerged_evidence: _Optional[float] = ..., since_merge_s: _Optional[float] = ..., merges: _Optional[int] = ..., live_replicas: _Optional[int] = ..., leases_held: _Optional[int] = ..., alert_events_queued: _Optional[int] = ..., first_plans_held: _Optional[int] = ...) -> None: ...

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AcceptanceRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACCEPTANCE_RULE_UNSPECIFIED: _ClassVar[AcceptanceRule]
+    ACCEPTANCE_RULE_STRICT: _ClassVar[AcceptanceRule]
+    ACCEPTANCE_RULE_TYPICAL: _ClassVar[AcceptanceRule]
+
 class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REJECT_REASON_UNSPECIFIED: _ClassVar[RejectReason]
@@ -16,6 +22,9 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_UNKNOWN_REQUEST: _ClassVar[RejectReason]
     REJECT_REASON_STALE_STEP: _ClassVar[RejectReason]
     REJECT_REASON_UNKNOWN_PLAN: _ClassVar[RejectReason]
+ACCEPTANCE_RULE_UNSPECIFIED: AcceptanceRule
+ACCEPTANCE_RULE_STRICT: AcceptanceRule
+ACCEPTANCE_RULE_TYPICAL: AcceptanceRule
 REJECT_REASON_UNSPECIFIED: RejectReason
 REJECT_REASON_MALFORMED: RejectReason
 REJECT_REASON_NO_HELLO: RejectReason
@@ -35,7 +44,7 @@ class Decision(_message.Message):
     def __init__(self, depth: _Optional[int] = ..., width: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("version", "nonce", "batch_size_edges", "context_len_edges", "table", "policy", "created_at", "expected_goodput_tok_s")
+    __slots__ = ("version", "nonce", "batch_size_edges", "context_len_edges", "table", "policy", "created_at", "expected_goodput_tok_s", "classes", "default_class")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_EDGES_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +53,8 @@ class Plan(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_GOODPUT_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_CLASS_FIELD_NUMBER: _ClassVar[int]
     version: int
     nonce: str
     batch_size_edges: _containers.RepeatedScalarFieldContainer[int]
@@ -52,7 +63,23 @@ class Plan(_message.Message):
     policy: str
     created_at: float
     expected_goodput_tok_s: float
-    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., batch_size_edges: _Optional[_Iterable[int]] = ..., context_len_edges: _Optional[_Iterable[int]] = ..., table: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., expected_goodput_tok_s: _Optional[float] = ...) -> None: ...
+    classes: _containers.RepeatedCompositeFieldContainer[ClassPlan]
+    default_class: str
+    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., batch_size_edges: _Optional[_Iterable[int]] = ..., context_len_edges: _Optional[_Iterable[int]] = ..., table: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., expected_goodput_tok_s: _Optional[float] = ..., classes: _Optional[_Iterable[_Union[ClassPlan, _Mapping]]] = ..., default_class: _Optional[str] = ...) -> None: ...
+
+class ClassPlan(_message.Message):
+    __slots__ = ("name", "table", "acceptance_rule", "typical_epsilon", "typical_delta")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RULE_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_DELTA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    table: _containers.RepeatedCompositeFieldContainer[Decision]
+    acceptance_rule: AcceptanceRule
+    typical_epsilon: float
+    typical_delta: float
+    def __init__(self, name: _Optional[str] = ..., table: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., acceptance_rule: _Optional[_Union[AcceptanceRule, str]] = ..., typical_epsilon: _Optional[float] = ..., typical_delta: _Optional[float] = ...) -> None: ...
 
 class RequestDecision(_message.Message):
     __slots__ = ("request_id", "decision", "reason")

@@ -1,3 +1,4 @@
+from protos.speculation.v1 import plan_pb2 as _plan_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -114,7 +115,7 @@ class VerifySample(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., verify_ms: _Optional[float] = ..., repeats: _Optional[int] = ...) -> None: ...
 
 class RequestStep(_message.Message):
-    __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain", "requested_depth", "requested_width", "requested_nodes", "caught_up_tokens")
+    __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain", "requested_depth", "requested_width", "requested_nodes", "caught_up_tokens", "request_class", "acceptance_rule")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +130,8 @@ class RequestStep(_message.Message):
     REQUESTED_WIDTH_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_NODES_FIELD_NUMBER: _ClassVar[int]
     CAUGHT_UP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RULE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_len: int
     depth: int
@@ -143,7 +146,9 @@ class RequestStep(_message.Message):
     requested_width: int
     requested_nodes: int
     caught_up_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., nodes: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_rank: _Optional[_Iterable[int]] = ..., level_candidates: _Optional[_Iterable[int]] = ..., draft_confidence: _Optional[_Iterable[float]] = ..., domain: _Optional[str] = ..., requested_depth: _Optional[int] = ..., requested_width: _Optional[int] = ..., requested_nodes: _Optional[int] = ..., caught_up_tokens: _Optional[int] = ...) -> None: ...
+    request_class: str
+    acceptance_rule: _plan_pb2.AcceptanceRule
+    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., nodes: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_rank: _Optional[_Iterable[int]] = ..., level_candidates: _Optional[_Iterable[int]] = ..., draft_confidence: _Optional[_Iterable[float]] = ..., domain: _Optional[str] = ..., requested_depth: _Optional[int] = ..., requested_width: _Optional[int] = ..., requested_nodes: _Optional[int] = ..., caught_up_tokens: _Optional[int] = ..., request_class: _Optional[str] = ..., acceptance_rule: _Optional[_Union[_plan_pb2.AcceptanceRule, str]] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("step_id", "timestamp", "batch_size", "draft_ms", "verify_ms", "requests", "catch_up_ms")

@@ -20,7 +20,7 @@ import torch
 from worker.reference.drafters.base import DraftTree
 from worker.reference.engine.tree import TreeBuffers, tree_buffers
 
-__all__ = ["Block", "RowOutcome", "build_block", "cached_tree_buffers", "greedy_path", "row_outcome"]
+__all__ = ["Block", "RowOutcome", "build_block", "cached_tree_buffers", "greedy_path", "row_outcome", "typical_path"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -120,6 +120,30 @@ def greedy_path(tree: DraftTree, target: Sequence[int]) -> tuple[list[int], int]
         path.append(tree.parents[path[-1] - 1] + 1)
     path.reverse()
     return path, int(target[best])
+
+
+def typical_path(tree: DraftTree, passes: Sequence[bool], target: Sequence[int]) -> tuple[list[int], int]:
+    """Typical acceptance's walk down a row's tree, plus the bonus.
+
+    From the root, take the first child in node order that ``passes`` (the
+    typical bar of ``verify.typical_passes``), then its first passing child,
+    and so on until no child passes; the bonus is the target's greedy token
+    ``target[j]`` after the last accepted entry ``j``. Returns the path
+    (block indices, root first) and the bonus.
+
+    >>> t = DraftTree([-1, -1, 0, 1], [7, 8, 9, 4], [0.6, 0.4, 0.9, 0.5])
+    >>> typical_path(t, [False, True, True, True], [8, 5, 1, 3, 2])   # node 0 fails, node 1 then node 3 pass
+    ([0, 2, 4], 2)
+    """
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(tree.parents):
+        children.setdefault(p + 1, []).append(i + 1)
+    path = [0]
+    while True:
+        nxt = next((j for j in children.get(path[-1], ()) if passes[j - 1]), 0)
+        if not nxt:
+            return path, int(target[path[-1]])
+        path.append(nxt)
 
 
 def row_outcome(tree: DraftTree, path: Sequence[int], next_token: int) -> RowOutcome:

@@ -19,8 +19,8 @@ One ``Engine.step()``:
    ``[root | draft nodes]`` block (own tree mask per row, padded to the
    largest; off the CPU its attention is cascaded, ``cascade.py``), LM head
    on the real entries only, acceptance per row (greedy, or recursive
-   rejection sampling when ``temperature > 0``), KV compaction to the
-   accepted paths;
+   rejection sampling when ``temperature > 0``; typical acceptance for rows
+   whose rule says so), KV compaction to the accepted paths;
 5. **commit**: emitted tokens (accepted drafts + bonus, cut at EOS /
    ``max_new_tokens``), hidden states of the accepted entries queued for the
    drafter, telemetry to the observer (draft ms, verify ms, per-position
@@ -32,10 +32,24 @@ argmax after the accepted prefix, so the output is token for token what
 With ``temperature > 0`` every emitted token follows the target's
 ``softmax(logits / temperature)`` given the tokens before it, whatever the
 drafter does (``sampling.sample_accept_tree``; chains and trees alike).
+
+Both hold for requests verified with the *strict* rule, the default. A
+request may instead be verified with Medusa-2's *typical* acceptance
+(``verify.AcceptanceRule``): its own ``acceptance`` at ``submit``, else its
+class's rule (``classes``: a policy's ``ClassSet`` or a name-to-rule
+mapping), else the engine's ``acceptance``. Rules are per row within one
+batch: a typical row never changes what a strict row beside it emits (each
+row's acceptance reads its own logits only). A typical row accepts a draft
+whose target probability clears ``min(epsilon, delta * exp(-H))`` and emits
+the target's argmax after the accepted path, also at ``temperature > 0``
+(Medusa-2), so it trades exactness for longer accepted runs. Every
+request-step's telemetry says which rule verified it.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import threading
 import time
@@ -48,16 +62,17 @@ import torch
 from policies.table import Decision
 from worker.reference.drafters.base import EMPTY_TREE, CatchUp, DraftContext, Drafter, DraftTree
 from worker.reference.engine.attention import use_grouped_attention
-from worker.reference.engine.batch import RowOutcome, build_block, greedy_path, row_outcome
+from worker.reference.engine.batch import RowOutcome, build_block, greedy_path, row_outcome, typical_path
 from worker.reference.engine.cascade import PREFIX_VALID_KWARG, use_cascade_attention
 from worker.reference.engine.kv import BatchKV, SlotCache
 from worker.reference.engine.sampling import sample_accept_tree
-from worker.reference.engine.verify import _cache_kwarg
+from worker.reference.engine.verify import STRICT, AcceptanceRule, _cache_kwarg, typical_passes
 from worker.sdk.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
 
-__all__ = ["Engine", "EngineStats", "Request", "static_decide"]
+__all__ = ["Engine", "EngineStats", "Request", "rule_source", "static_decide"]
 
-DecideFn = Callable[[str, int, int], Decision]
+DecideFn = Callable[..., Decision]
+"""``(request_id, context_len, batch_size[, request_class]) -> Decision``."""
 
 # Process-wide counters: step ids must grow strictly per worker and request
 # ids must not repeat, also when one agent watches several Engine instances
@@ -75,15 +90,70 @@ def static_decide(decision: Decision) -> DecideFn:
     return decide
 
 
+def rule_source(classes) -> Callable[[str], AcceptanceRule | None]:
+    """A request class's acceptance rule, from where the engine learns it.
+
+    ``classes`` may be a policy's ``ClassSet`` (an empty or unknown name is
+    the default class), a mapping of class names to anything
+    ``AcceptanceRule.parse`` takes (an unlisted name: ``None``, i.e. the
+    engine's own ``acceptance``), or a callable ``name -> rule`` read at
+    every step, e.g. ``SpeculationAgent.acceptance_rule`` (the rule the plan
+    in force allows the class). ``None``: no class has a rule of its own.
+
+    >>> from policies.classes import parse_classes
+    >>> rule = rule_source(parse_classes({"chat": {}, "bulk": {"acceptance": "typical"}}, "bulk", "inline"))
+    >>> rule("chat").kind, rule("bulk"), rule("other").kind
+    ('strict', AcceptanceRule(kind='typical', epsilon=0.09, delta=0.3), 'typical')
+    >>> rule_source({"bulk": ("typical", 0.3, 0.5)})("chat") is None
+    True
+    """
+    if classes is None:
+        return lambda name: None
+    if hasattr(classes, "classes") and hasattr(classes, "default"):  # policies.classes.ClassSet
+        rules = {c.name: AcceptanceRule.make_typical(c.typical_epsilon, c.typical_delta) if c.relaxed else STRICT
+                 for c in classes.classes}
+        default = rules[classes.default]
+        return lambda name: rules.get(name, default)
+    if callable(classes):
+        cached = functools.lru_cache(maxsize=64)(AcceptanceRule.parse)  # called per row and step: plans repeat rules
+
+        def parse(value) -> AcceptanceRule:
+            try:
+                return cached(value)
+            except TypeError:  # unhashable (a list): parse it each time
+                return AcceptanceRule.parse(value)
+
+        return lambda name: parse(classes(name))
+    rules = {str(name): AcceptanceRule.parse(rule) for name, rule in classes.items()}
+    return rules.get
+
+
+def _takes_class(decide: DecideFn) -> bool:
+    """Whether ``decide`` takes a fourth argument, the request's class
+    (``SpeculationAgent.decide`` does; ``static_decide``'s and most test
+    callables do not, and are then called with three)."""
+    try:
+        params = inspect.signature(decide).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 4 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
 @dataclass(eq=False)
 class Request:
-    """A generation request and, once done, its result."""
+    """A generation request and, once done, its result.
+
+    ``request_class``: the class it named ("" = none); ``acceptance``: its
+    own rule, overriding its class's (``None`` = the class's)."""
 
     request_id: str
     prompt: list[int]
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     domain: str = ""
+    request_class: str = ""
+    acceptance: AcceptanceRule | None = None
     output: list[int] = field(default_factory=list)
     steps: int = 0
     accepted_tokens: int = 0
@@ -107,6 +177,8 @@ class EngineStats:
     spec_row_steps: int = 0  # row-steps that drafted (a non-empty tree)
     draft_nodes: int = 0  # Σ nodes verified
     accepted: int = 0  # Σ τ
+    typical_row_steps: int = 0  # row-steps verified with typical acceptance (in row_steps too)
+    typical_accepted: int = 0  # Σ τ over them (in accepted too)
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
@@ -136,8 +208,8 @@ class Engine:
     drafter : Drafter, optional
         ``None`` = plain decoding for everybody.
     decide : callable, optional
-        ``(request_id, context_len, batch_size) -> Decision``, e.g.
-        ``SpeculationAgent.decide``; default: a depth-4 chain with a drafter,
+        ``(request_id, context_len, batch_size[, request_class]) -> Decision``,
+        e.g. ``SpeculationAgent.decide``; default: a depth-4 chain with a drafter,
         off without one. Clamped to the drafter's limits.
     observer : object, optional
         Gets ``observe(StepTelemetry)`` after every step and
@@ -158,6 +230,14 @@ class Engine:
         instead of one masked attention over the whole context. ``None``
         (default): on when the model is off the CPU; the CPU keeps its tuned
         masked path. ``True`` raises on a model whose attention is not SDPA.
+    acceptance : AcceptanceRule, str or tuple, optional
+        The rule of requests whose class gives none (``AcceptanceRule.parse``:
+        ``"strict"``, ``("typical", epsilon, delta)``...); default strict.
+    classes : ClassSet, mapping or callable, optional
+        Class name -> rule (``rule_source``; e.g. ``agent.acceptance_rule``;
+        replace with ``set_classes``). A request's own ``acceptance``
+        overrides its class's. ``decide`` gets a request's class as a fourth
+        argument when it takes one (``SpeculationAgent.decide``).
     """
 
     def __init__(
@@ -173,6 +253,8 @@ class Engine:
         temperature: float = 0.0,
         seed: int | None = None,
         cascade: bool | None = None,
+        acceptance: AcceptanceRule | str | tuple | None = None,
+        classes=None,
     ) -> None:
         if not temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -190,6 +272,7 @@ class Engine:
         if decide is None:
             decide = static_decide(Decision.chain(4) if drafter is not None else Decision.off())
         self.decide = decide
+        self._decide_takes_class = _takes_class(decide)
         self.observer = observer
         self.max_batch = max_batch
         if eos_token_id is None:
@@ -211,11 +294,27 @@ class Engine:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.acceptance = AcceptanceRule.parse(acceptance)
+        self.set_classes(classes)
         self.kv = BatchKV.empty(model, self.device)
         self.rows: list[_Row] = []
         self._waiting: deque[Request] = deque()
         self._lock = threading.Lock()
         self.stats = EngineStats()
+
+    # ------------------------------------------------------------ rules
+    def set_classes(self, classes) -> None:
+        """Replace the class -> rule mapping (a policy reload); requests in
+        flight follow the new rules from their next step on."""
+        self._class_rule = rule_source(classes)
+
+    def rule_for(self, req: Request) -> AcceptanceRule:
+        """The rule a request is verified with now: its own, else its class's,
+        else the engine's."""
+        if req.acceptance is not None:
+            return req.acceptance
+        rule = self._class_rule(req.request_class)
+        return self.acceptance if rule is None else rule
 
     # ------------------------------------------------------------ requests
     def submit(
@@ -226,14 +325,20 @@ class Engine:
         domain: str = "",
         eos_token_id: int | Sequence[int] | None = None,
         on_done: Callable[[Request], None] | None = None,
+        request_class: str = "",
+        acceptance: AcceptanceRule | str | tuple | None = None,
     ) -> Request:
-        """Queue a request (thread-safe); it joins the batch at the next step."""
+        """Queue a request (thread-safe); it joins the batch at the next step.
+
+        ``request_class`` names its class (its rule comes from ``classes``);
+        ``acceptance`` gives it a rule of its own (``AcceptanceRule.parse``)."""
         if not prompt:
             raise ValueError("a prompt needs at least one token")
         eos = self.eos if eos_token_id is None else frozenset(
             [eos_token_id] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id])
         req = Request(request_id or f"req-{next(_REQUEST_IDS)}", [int(t) for t in prompt], int(max_new_tokens), eos,
-                      domain, t_submit=time.perf_counter(), on_done=on_done)
+                      domain, request_class, None if acceptance is None else AcceptanceRule.parse(acceptance),
+                      t_submit=time.perf_counter(), on_done=on_done)
         with self._lock:
             self._waiting.append(req)
         return req
@@ -281,7 +386,8 @@ class Engine:
             self.kv.merge(fresh)
             # The prefill's last logits give every request its first token, as a
             # step's bonus token would: the token becomes the first root.
-            firsts = self._accept([EMPTY_TREE] * len(live), last_logits, [1] * len(live))
+            firsts = self._accept([EMPTY_TREE] * len(live), last_logits, [1] * len(live),
+                                  [self.rule_for(r) for r in live])
             rows = [_Row(req, list(req.prompt)) for req in live]
             first_row = len(self.rows)
             self.rows.extend(rows)
@@ -331,6 +437,7 @@ class Engine:
         batch = len(self.rows)
         ctx = self.kv.real_lengths().tolist()
         decisions = self._decisions(ctx, batch)
+        rules = [self.rule_for(row.req) for row in self.rows]  # once per step: telemetry reports these
         caught, catch_up_s = self._catch_up(decisions)
 
         t0 = time.perf_counter()
@@ -338,19 +445,20 @@ class Engine:
         self._sync()
         t1 = time.perf_counter()
 
-        outcomes, hidden = self._verify([row.tokens[-1] for row in self.rows], trees)
+        outcomes, hidden = self._verify([row.tokens[-1] for row in self.rows], trees, rules)
         t2 = time.perf_counter()
 
         if self.kv.maybe_repack(self.repack_hole_fraction):
             self.stats.repacks += 1
         return admitted_done + self._commit(decisions, trees, outcomes, hidden, ctx, t1 - t0, t2 - t1, caught,
-                                            catch_up_s)
+                                            catch_up_s, rules)
 
-    def _verify(self, roots: list[int], trees: list[DraftTree]) -> tuple[list[RowOutcome], torch.Tensor]:
+    def _verify(self, roots: list[int], trees: list[DraftTree],
+                rules: list[AcceptanceRule] | None = None) -> tuple[list[RowOutcome], torch.Tensor]:
         """The timed verify of a step: one forward of the decoder over every row's ``[root | nodes]``
-        block, the LM head on the real entries, acceptance, KV compaction, and a wait for the device.
-        Returns the outcomes and the block's hidden states ``[batch, N+1, hidden]``
-        (``step_costs.py`` times this same call at a grid of shapes)."""
+        block, the LM head on the real entries, acceptance (``rules``: per row, default strict), KV
+        compaction, and a wait for the device. Returns the outcomes and the block's hidden states
+        ``[batch, N+1, hidden]`` (``step_costs.py`` times this same call at a grid of shapes)."""
         batch = len(roots)
         block = build_block(roots, trees, self.kv.valid, self.model.dtype, self.pad_token_id)
         past_len = self.kv.length
@@ -360,7 +468,7 @@ class Engine:
                         use_cache=True, **{self._cache_kw: self.kv.cache}, **cascade)
         hidden = out.last_hidden_state  # [batch, N+1, hidden]
         real = torch.cat([hidden[b, : block.sizes[b]] for b in range(batch)])  # LM head on real entries only
-        outcomes = self._accept(trees, self.lm_head(real), block.sizes)
+        outcomes = self._accept(trees, self.lm_head(real), block.sizes, rules or [STRICT] * batch)
         k_max = max(len(o.path) for o in outcomes)
         paths = torch.full((batch, k_max), -1, dtype=torch.long)
         for b, o in enumerate(outcomes):
@@ -374,30 +482,45 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _accept(self, trees: list[DraftTree], logits: torch.Tensor, sizes: list[int]) -> list[RowOutcome]:
+    def _accept(self, trees: list[DraftTree], logits: torch.Tensor, sizes: list[int],
+                rules: list[AcceptanceRule]) -> list[RowOutcome]:
         """Per row: the accepted path and the token after it; ``logits``
-        ``[Σ sizes, vocab]`` holds every row's real block entries in order."""
+        ``[Σ sizes, vocab]`` holds every row's real block entries in order.
+
+        Strict rows: greedy (argmax path) or recursive rejection sampling;
+        typical rows: the first passing child down the tree, then the
+        argmax. Each row reads only its own slice of ``logits``, so a row's
+        rule cannot change another row's outcome."""
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        probs = (torch.softmax(logits.float() / self.temperature, dim=-1) if self.temperature > 0.0
+                 else None)  # [Σ sizes, vocab]: the sampled law, also the typical bar's
+        # [Σ sizes]: greedy picks (greedy rows, typical bonuses); all-strict sampling needs none
+        targets = logits.argmax(-1).tolist() if probs is None or any(r.typical for r in rules) else []
         outcomes = []
-        start = 0
-        if self.temperature == 0.0:
-            targets = logits.argmax(-1).tolist()
-            for tree, size in zip(trees, sizes):
-                path, bonus = greedy_path(tree, targets[start : start + size])
-                outcomes.append(row_outcome(tree, path, bonus))
-                start += size
-            return outcomes
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        for tree, size in zip(trees, sizes):
-            path, token = sample_accept_tree(probs[start : start + size], tree.parents, tree.tokens, tree.proposal,
-                                             self.generator)
+        for b, (tree, rule) in enumerate(zip(trees, rules)):
+            lo, hi = starts[b], starts[b + 1]
+            if rule.typical:
+                # Greedy requests: the bar is computed on the temperature-1 law (Medusa-2).
+                law = probs[lo:hi] if probs is not None else torch.softmax(logits[lo:hi].float(), dim=-1)
+                passes = typical_passes(law, tree.parents, tree.tokens, rule).tolist() if tree.num_nodes else []
+                path, token = typical_path(tree, passes, targets[lo:hi])
+            elif probs is None:
+                path, token = greedy_path(tree, targets[lo:hi])
+            else:
+                path, token = sample_accept_tree(probs[lo:hi], tree.parents, tree.tokens, tree.proposal,
+                                                 self.generator)
             outcomes.append(row_outcome(tree, path, token))
-            start += size
         return outcomes
 
     def _decisions(self, ctx: list[int], batch: int) -> list[Decision]:
         if self.drafter is None:
             return [Decision.off()] * batch
         limits = self.drafter.limits
+        if self._decide_takes_class:
+            return [limits.clamp(self.decide(row.req.request_id, ctx[b], batch, row.req.request_class))
+                    for b, row in enumerate(self.rows)]
         return [limits.clamp(self.decide(row.req.request_id, ctx[b], batch)) for b, row in enumerate(self.rows)]
 
     def _catch_up(self, decisions: list[Decision]) -> tuple[dict[str, int], float]:
@@ -438,7 +561,8 @@ class Engine:
                 )
         return trees
 
-    def _commit(self, decisions, trees, outcomes, hidden, ctx, draft_s, verify_s, caught, catch_up_s) -> list[Request]:
+    def _commit(self, decisions, trees, outcomes, hidden, ctx, draft_s, verify_s, caught, catch_up_s,
+                rules) -> list[Request]:
         now = time.perf_counter()
         wants_hidden = self.drafter is not None and self.drafter.needs_hidden
         telemetry = []
@@ -461,6 +585,8 @@ class Engine:
                 requested_width=decisions[b].width if decisions[b].depth else 0,
                 requested_nodes=decisions[b].max_nodes if decisions[b].depth else 0,
                 caught_up_tokens=caught.get(req.request_id, 0),
+                request_class=req.request_class,
+                acceptance_rule=rules[b].kind,
             ))
             if wants_hidden:
                 row.pending.append(hidden[b, o.path].clone())
@@ -472,6 +598,9 @@ class Engine:
             self.stats.spec_row_steps += depth > 0
             self.stats.draft_nodes += tree.num_nodes
             self.stats.accepted += o.accepted
+            if rules[b].typical:
+                self.stats.typical_row_steps += 1
+                self.stats.typical_accepted += o.accepted
         self.stats.steps += 1
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s

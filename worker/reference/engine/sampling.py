@@ -27,6 +27,12 @@ and the two add up to ``p(x)``. Nothing in the lemma needs the fallback to
 be a *direct* draw from ``r``: any procedure whose output follows ``r``
 will do, e.g. another round of the same lemma with a new candidate. That is
 the whole tree scheme below.
+
+Requests verified with typical acceptance (``verify.AcceptanceRule``) do
+not come here: they trade this exactness for longer accepted runs
+(``verify.typical_passes``, ``batch.typical_path``), and the engine keeps
+the two apart row by row, so the lemma still holds for every strict row of
+a mixed batch.
 """
 
 from __future__ import annotations

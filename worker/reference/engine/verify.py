@@ -6,11 +6,33 @@ The ladder, one small function per rung:
 2. ``build_tree_inputs``  positions + 4-D additive mask for [past KV | root | nodes]
 3. ``verify_tree``        one target forward over root + draft nodes -> logits
 4. ``greedy_accept``      longest draft path the target agrees with + bonus token
+4b. ``typical_accept``    Medusa-2's relaxed rule: likely-enough drafts pass too
 5. ``compact_cache``      keep only the accepted path's KV entries
-6. ``greedy_decode``      the loop tying 1-5 together (reference / test oracle)
+6. ``greedy_decode``      the loop tying 1-5 together (reference / test oracle),
+                          strict or typical per row
 
 Sampled (non-greedy) verification, for chains and trees, lives in
 ``sampling.py``.
+
+Acceptance rules
+----------------
+Every request is verified by one ``AcceptanceRule``. ``strict`` (the
+default) is lossless: greedy verification keeps exactly the target's argmax
+path, sampled verification keeps the target's law. ``typical`` is Medusa-2's
+typical acceptance (Cai et al. 2024, section 2.3.1): a drafted token ``x``
+whose parent position has target law ``p`` (temperature-adjusted as the
+engine samples; temperature 1 for greedy requests) passes when
+
+    p(x) > min(epsilon, delta * exp(-H(p)))      H in nats,
+
+so a flat (uncertain) target accepts more, a peaked one less. Among the
+children of the last accepted entry the first one that passes, in node
+order, is taken; the token after the accepted path is the target's argmax
+there (Medusa-2: "greedy decode the first token"). The argmax always passes
+(it clears the bar whenever ``delta < 1``, as ``max p >= exp(-H)``; it is
+let through explicitly for the edge cases), so on a chain typical accepts at
+least what strict does; what it emits is no longer the target's greedy (or
+sampled) output, only close to it.
 
 Conventions
 -----------
@@ -41,7 +63,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -50,13 +74,19 @@ from transformers import DynamicCache
 from worker.reference.engine.tree import TreeBuffers
 
 __all__ = [
+    "STRICT",
     "Acceptance",
+    "AcceptanceRule",
     "TreeInputs",
+    "accept",
     "build_tree_inputs",
     "compact_cache",
     "greedy_accept",
     "greedy_decode",
     "prefill",
+    "typical_accept",
+    "typical_passes",
+    "typical_threshold",
     "verify_tree",
 ]
 
@@ -269,18 +299,41 @@ def greedy_accept(logits: torch.Tensor, node_tokens: torch.Tensor, tree: TreeBuf
     -------
     Acceptance
     """
-    batch = logits.shape[0]
-    device = logits.device
     target = logits.argmax(-1)  # [batch, n+1]: target's pick after each entry
-    block = torch.cat([torch.full_like(node_tokens[:, :1], -1), node_tokens], dim=1)  # [batch, n+1]
+    parent = _parent_block(tree, logits.device)  # [n]
+    ok = node_tokens == target[:, parent]  # [batch, n]
+    return _deepest_path(ok, target, tree)
 
+
+def _parent_block(tree: TreeBuffers, device) -> torch.Tensor:
+    """long ``[n]``: block index of each draft node's parent (0 = the root)."""
+    return torch.tensor(tree.parents, dtype=torch.long, device=device) + 1
+
+
+def _deepest_path(ok: torch.Tensor, target: torch.Tensor, tree: TreeBuffers) -> Acceptance:
+    """The deepest root-to-node path whose every node is ``ok``, and the bonus.
+
+    Parameters
+    ----------
+    ok : torch.Tensor
+        bool ``[batch, n]``: draft node i may be accepted if its parent is.
+    target : torch.Tensor
+        long ``[batch, n+1]``: the token emitted after each block entry.
+    tree : TreeBuffers
+
+    Returns
+    -------
+    Acceptance
+        Among equally deep paths the first leaf (lowest block index) wins.
+    """
+    batch = ok.shape[0]
+    device = ok.device
+    ok_block = torch.cat([torch.ones_like(ok[:, :1]), ok], dim=1)  # [batch, n+1]; the root is always in
     paths = tree.retrieve_paths.to(device)  # [leaves, D+1]
-    child, parent = paths[:, 1:], paths[:, :-1]  # [leaves, D]
+    child = paths[:, 1:]  # [leaves, D]
     real = child >= 0
     # Pad -1 would index the last entry; clamp, then mask with `real`.
-    drafted = block[:, child.clamp(min=0)]  # [batch, leaves, D]
-    wanted = target[:, parent.clamp(min=0)]  # [batch, leaves, D]
-    match = (drafted == wanted) & real[None]  # [batch, leaves, D]
+    match = ok_block[:, child.clamp(min=0)] & real[None]  # [batch, leaves, D]
     run = match.long().cumprod(-1).sum(-1)  # [batch, leaves]: accepted prefix length
 
     best = run.argmax(-1)  # [batch]; argmax returns the first maximum
@@ -291,6 +344,217 @@ def greedy_accept(logits: torch.Tensor, node_tokens: torch.Tensor, tree: TreeBuf
     last = path.gather(1, tau[:, None]).squeeze(1)  # [batch] block index of last accepted
     bonus = target[torch.arange(batch, device=device), last]
     return Acceptance(path, bonus)
+
+
+# --------------------------------------------------------------------------
+# 4b. typical acceptance (relaxed, per request)
+# --------------------------------------------------------------------------
+
+ACCEPTANCE_KINDS = ("strict", "typical")
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptanceRule:
+    """How one request's drafts are verified: ``strict`` or ``typical``.
+
+    Parameters
+    ----------
+    kind : str
+        ``"strict"`` (lossless, the default) or ``"typical"``.
+    epsilon, delta : float
+        Typical acceptance only: a draft passes when its target probability
+        exceeds ``min(epsilon, delta * exp(-H))``; both in (0, 1] (the
+        policy file's bounds, ``policies/classes.py``). Medusa's defaults:
+        epsilon 0.09, delta = sqrt(epsilon) = 0.3.
+
+    Examples
+    --------
+    >>> AcceptanceRule.parse(("typical", 0.09))
+    AcceptanceRule(kind='typical', epsilon=0.09, delta=0.3)
+    >>> AcceptanceRule.parse(None) == STRICT
+    True
+    """
+
+    kind: str = "strict"
+    epsilon: float = 0.0
+    delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACCEPTANCE_KINDS:
+            raise ValueError(f"acceptance rule {self.kind!r}: must be one of {ACCEPTANCE_KINDS}")
+        if self.kind == "typical":
+            for name in ("epsilon", "delta"):
+                value = getattr(self, name)
+                if not 0.0 < value <= 1.0:
+                    raise ValueError(f"typical acceptance needs 0 < {name} <= 1, got {value}")
+        elif self.epsilon or self.delta:
+            raise ValueError("strict acceptance takes no epsilon / delta")
+
+    @property
+    def typical(self) -> bool:
+        return self.kind == "typical"
+
+    @classmethod
+    def make_typical(cls, epsilon: float, delta: float | None = None) -> "AcceptanceRule":
+        """Typical acceptance; ``delta`` defaults to ``sqrt(epsilon)`` as in Medusa."""
+        eps = float(epsilon)
+        return cls("typical", eps, round(math.sqrt(eps), 12) if delta is None else float(delta))
+
+    @classmethod
+    def parse(cls, value) -> "AcceptanceRule":
+        """``None`` / ``"strict"`` / ``"typical"`` (Medusa's defaults) /
+        ``("typical", epsilon[, delta])`` / an ``AcceptanceRule``."""
+        if value is None:
+            return STRICT
+        if isinstance(value, AcceptanceRule):
+            return value
+        if isinstance(value, str):
+            return STRICT if value == "strict" else cls.make_typical(0.09) if value == "typical" else cls(value)
+        kind, *params = value
+        if kind != "typical":
+            return cls(kind, *params)
+        return cls.make_typical(*params)
+
+
+STRICT = AcceptanceRule()
+
+
+def typical_threshold(probs: torch.Tensor, epsilon, delta) -> torch.Tensor:
+    """``min(epsilon, delta * exp(-H))`` per position.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        ``[..., vocab]``, the target's law at each position.
+    epsilon, delta : float or torch.Tensor
+        Scalars, or tensors broadcasting against ``probs.shape[:-1]``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[...]``, float32.
+    """
+    entropy = torch.special.entr(probs.float()).sum(-1)  # [...] nats; entr(0) = 0, no NaN
+    return torch.minimum(torch.as_tensor(delta, dtype=torch.float32, device=probs.device) * torch.exp(-entropy),
+                         torch.as_tensor(epsilon, dtype=torch.float32, device=probs.device))
+
+
+def typical_passes(probs: torch.Tensor, parents: Sequence[int], tokens: Sequence[int],
+                   rule: AcceptanceRule) -> torch.Tensor:
+    """Which draft nodes of one row clear the typical bar at their parent.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        ``[n+1, vocab]`` in block coordinates (row 0: after the root).
+    parents, tokens : sequence of int
+        The draft tree (``parents[i] == -1``: a child of the root).
+    rule : AcceptanceRule
+        A typical rule.
+
+    Returns
+    -------
+    torch.Tensor
+        bool ``[n]``; the parent's argmax always passes.
+
+    Examples
+    --------
+    A flat target after the root (H = log 4): bar = min(0.3, 0.5 / 4) = 0.125.
+
+    >>> p = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 3)
+    >>> typical_passes(p, [-1, -1], [1, 3], AcceptanceRule("typical", 0.3, 0.5)).tolist()
+    [True, False]
+    """
+    parent = torch.tensor(list(parents), dtype=torch.long, device=probs.device) + 1  # [n]
+    node = torch.tensor(list(tokens), dtype=torch.long, device=probs.device)  # [n]
+    at_parent = probs[parent]  # [n, vocab]
+    p_x = at_parent.gather(-1, node[:, None]).squeeze(-1)  # [n]
+    bar = typical_threshold(at_parent, rule.epsilon, rule.delta)  # [n]
+    return (p_x > bar) | (node == at_parent.argmax(-1))
+
+
+def _first_among_siblings(passes: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
+    """bool ``[batch, n]``: node passes and no earlier sibling (node order) does.
+
+    That is the walk "at each accepted entry take the first child that
+    passes": only the nodes left True can be on the accepted path, at most
+    one per parent, so the deepest all-True path *is* that walk.
+    """
+    parents = torch.tensor(tree.parents, dtype=torch.long, device=passes.device)  # [n]
+    order = torch.arange(len(tree.parents), device=passes.device)
+    earlier = (parents[:, None] == parents[None, :]) & (order[None, :] < order[:, None])  # [n, n]: j before i
+    shadowed = (passes[:, None, :] & earlier[None]).any(-1)  # [batch, n]
+    return passes & ~shadowed
+
+
+def typical_accept(logits: torch.Tensor, node_tokens: torch.Tensor, tree: TreeBuffers, epsilon, delta,
+                   temperature: float = 1.0) -> Acceptance:
+    """Medusa-2's typical acceptance along a draft tree, batched.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[batch, n+1, vocab]`` from ``verify_tree``.
+    node_tokens : torch.Tensor
+        long ``[batch, n]``.
+    tree : TreeBuffers
+    epsilon, delta : float or torch.Tensor
+        Scalars or ``[batch]`` (one rule per row).
+    temperature : float
+        The law the bar is computed on: ``softmax(logits / temperature)``
+        (1 for greedy requests).
+
+    Returns
+    -------
+    Acceptance
+        The first passing child (node order) at each accepted entry, down
+        to where none passes; the bonus is the target's argmax there.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [batch, n+1, vocab]
+    target = logits.argmax(-1)  # [batch, n+1]
+    parent = _parent_block(tree, logits.device)  # [n]
+    at_parent = probs[:, parent]  # [batch, n, vocab]
+    p_x = at_parent.gather(-1, node_tokens[..., None]).squeeze(-1)  # [batch, n]
+    eps = torch.as_tensor(epsilon, dtype=torch.float32, device=logits.device).reshape(-1, 1)  # [batch|1, 1]
+    dlt = torch.as_tensor(delta, dtype=torch.float32, device=logits.device).reshape(-1, 1)
+    bar = typical_threshold(at_parent, eps, dlt)  # [batch, n]
+    passes = (p_x > bar) | (node_tokens == target[:, parent])  # [batch, n]
+    return _deepest_path(_first_among_siblings(passes, tree), target, tree)
+
+
+def accept(logits: torch.Tensor, node_tokens: torch.Tensor, tree: TreeBuffers,
+           rules: AcceptanceRule | Sequence[AcceptanceRule] = STRICT) -> Acceptance:
+    """Greedy verification with one rule per row: strict rows exactly as
+    ``greedy_accept``, typical rows by ``typical_accept`` (temperature 1).
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[batch, n+1, vocab]``.
+    node_tokens : torch.Tensor
+        long ``[batch, n]``.
+    tree : TreeBuffers
+    rules : AcceptanceRule or sequence of AcceptanceRule
+        One for every row, or one per row.
+
+    Returns
+    -------
+    Acceptance
+    """
+    batch = logits.shape[0]
+    rules = [rules] * batch if isinstance(rules, AcceptanceRule) else list(rules)
+    if len(rules) != batch:
+        raise ValueError(f"{len(rules)} acceptance rules for {batch} rows")
+    strict = greedy_accept(logits, node_tokens, tree)
+    relaxed = [r.typical for r in rules]
+    if not any(relaxed):
+        return strict
+    eps = [r.epsilon if r.typical else 1.0 for r in rules]  # strict rows: any valid bar, their result is dropped
+    dlt = [r.delta if r.typical else 1.0 for r in rules]
+    typical = typical_accept(logits, node_tokens, tree, eps, dlt)
+    use = torch.tensor(relaxed, device=logits.device)  # [batch]
+    return Acceptance(torch.where(use[:, None], typical.path, strict.path),
+                      torch.where(use, typical.bonus, strict.bonus))
 
 
 # --------------------------------------------------------------------------
@@ -363,8 +627,9 @@ def greedy_decode(
     max_new_tokens: int,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = None,
+    rules: AcceptanceRule | Sequence[AcceptanceRule] = STRICT,
 ) -> tuple[list[list[int]], list[int]]:
-    """Greedy speculative decoding; output equals ``generate(do_sample=False)``.
+    """Greedy speculative decoding; strict rows equal ``generate(do_sample=False)``.
 
     Parameters
     ----------
@@ -378,6 +643,9 @@ def greedy_decode(
         ``[batch, prompt_len]`` 1 = real, 0 = left pad.
     eos_token_id : int, optional
         A row stops after emitting it (kept in its output, like ``generate``).
+    rules : AcceptanceRule or sequence of AcceptanceRule
+        One for all rows or one per row (``accept``); the strict rows' output
+        is ``generate``'s whatever the others do.
 
     Returns
     -------
@@ -402,7 +670,7 @@ def greedy_decode(
         block = torch.cat([root[:, None], nodes], dim=1)  # [batch, n+1]
         past_len = cache.get_seq_length()
         logits = verify_tree(model, cache, block, tree, past_valid)  # [batch, n+1, vocab]
-        acc = greedy_accept(logits, nodes, tree)
+        acc = accept(logits, nodes, tree, rules)
         past_valid = torch.cat([past_valid, compact_cache(cache, past_len, acc.path)], dim=1)
         root = acc.bonus
 
