@@ -276,10 +276,12 @@ class SpeculationControllerServicer:
             return
         start = time.perf_counter()
         for stream in streams:
-            if stream.state.plans.current is None and self._push_plans(stream):
+            if stream.state.plans.current is not None:
+                continue
+            if self._push_plans(stream):
                 await asyncio.sleep(0)
-                if time.perf_counter() - start > budget_s:
-                    return
+            if time.perf_counter() - start > budget_s:  # a policy run that pushed nothing costs too
+                return
         first = self._next_stream % len(streams)
         for k in range(len(streams)):
             if self._push_plans(streams[(first + k) % len(streams)]):

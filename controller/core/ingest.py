@@ -21,7 +21,6 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from controller.core.classes import TPOT_MAX_REQUESTS
 from controller.core.state import WorkerState
 from controller.models.acceptance import AcceptanceModel, offer_slots
 from controller.protocol import TYPICAL, RequestRow
@@ -107,11 +106,8 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
             cs.accepted += accepted
         latency = cs.requests.get(rid)
         if latency is None:
-            latency = cs.requests[rid] = [0.0, 0, now, 0]
-            if len(cs.requests) > TPOT_MAX_REQUESTS:
-                cs.requests.popitem(last=False)
-        else:
-            cs.requests.move_to_end(rid)
+            cs.admit(rid, now)
+            latency = cs.requests[rid]
         latency[0] += step_ms
         latency[1] += 1 + accepted
         latency[2] = now
