@@ -243,38 +243,72 @@ class ReplicaProcess:
             self.proc.wait(5)
 
 
-class RedisProcess:
-    """A ``redis-server`` for the Redis phase: free loopback port, temporary folder, no persistence."""
+class RedisServer:
+    """One ``redis-server`` (Debian's, ``make redis``) on a loopback port, in ``folder``.
 
-    def __init__(self, folder: Path) -> None:
+    Used by the fleet benchmark's Redis phase and by the tests
+    (``tests/redis_support.py``). ``persist``: ``appendonly yes`` with
+    ``appendfsync always``, so a SIGKILL loses nothing acknowledged; off (the
+    default), a restart starts empty. ``port``: fixed, default a free one.
+    :meth:`kill` is a crash (SIGKILL), :meth:`restart` comes back on the same
+    port.
+    """
+
+    def __init__(self, folder: Path, persist: bool = False, port: int | None = None) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.persist = persist
+        self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
+        self.log_path = self.folder / "redis.log"
+        self.starts = 0
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "RedisProcess":
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+        """Start on ``self.port`` and wait until it answers PING."""
         binary = shutil.which("redis-server")
         if binary is None:
-            raise BenchError("redis-server is not installed (`make redis`, or apt-get install redis-server)")
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
-                                      str(self.folder), "--save", "", "--appendonly", "no", "--daemonize", "no",
-                                      "--logfile", str(self.folder / "redis.log")],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            raise BenchError("redis-server is not installed: `make redis` installs Debian's "
+                             "(apt-get install --no-install-recommends redis-server)")
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
+                "--save", "", "--daemonize", "no", "--logfile", str(self.log_path),
+                "--appendonly", "yes" if self.persist else "no"]
+        if self.persist:
+            args += ["--appendfsync", "always"]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT, cwd=self.folder)
+        self.starts += 1
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.02)
+            if self.proc.poll() is not None:
+                raise BenchError(f"redis-server on port {self.port} exited with {self.proc.returncode}: "
+                                 f"{self._log_tail()}")
+            if self._answers():
+                return self
+            time.sleep(0.02)
         self.stop()
-        raise BenchError(f"redis-server did not answer on port {self.port}")
+        raise BenchError(f"redis-server on port {self.port} did not answer within {timeout_s} s: {self._log_tail()}")
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def _log_tail(self) -> str:
+        try:
+            return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-5:])
+        except OSError:
+            return "(no log)"
 
     def cpu_s(self) -> float:
         return cpu_seconds(self.proc.pid)
@@ -284,14 +318,30 @@ class RedisProcess:
 
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5.0)
 
-    def stop(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL, as a crash: no shutdown, no save."""
         if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> "RedisServer":
+        """Kill (if running) and start again on the same port."""
+        self.kill()
+        return self.start()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        self.proc = None
 
 
 def fleet_hello(worker_id: str) -> worker_pb2.Hello:
@@ -531,7 +581,7 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
                     warmup_s: float, measure_s: float, converge_s: float, alert_s: float, idle_s: float = 5.0,
                     progress: Callable[[str], None] = print) -> dict:
     """One backend's phase (see the module docstring); returns its measurements."""
-    redis = RedisProcess(folder / "redis").start() if backend == "redis" else None
+    redis = RedisServer(folder / "redis").start() if backend == "redis" else None
     procs: list[ReplicaProcess] = []
     load: FleetLoad | None = None
     view: Replicas | None = None
@@ -729,7 +779,7 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
             redis.stop()
 
 
-def _redis_memory(redis: RedisProcess) -> dict:
+def _redis_memory(redis: RedisServer) -> dict:
     """Bytes of every key of the fleet (``MEMORY USAGE``), grouped: acceptance strata of drafter
     version ``v1`` (keys that name it), and the rest."""
     client = redis.client()
