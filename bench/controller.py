@@ -39,13 +39,19 @@ Measurements:
 - ``plan_push_ms_p50/p99``: client side, for every Plan created in the
   window: receive time at the worker − ``Plan.created_at`` (the moment the
   controller built it). It excludes the ACK trip and includes the
-  controller's send queue, gRPC, and the generator's own scheduling delay.
-  Note that ``Controller.plan_updates`` stamps ``created_at`` *before* it
-  runs the policy, so the policy's own compute time (``run_policy_ms_mean``
-  in the JSON, ~4 ms for goodput) is part of this latency.
+  controller's push decision, its send queue, the wait for the stream's
+  previous write to complete, gRPC, and the generator's own scheduling
+  delay. ``PlanDesk.updates`` stamps ``created_at`` right *after* the policy
+  ran, so the policy's own compute (``run_policy_ms_mean``) is not part of
+  it, but every other policy run and ingest batch the loop does before the
+  plan's bytes leave is.
   RequestDecisions carry no timestamp; the controller's send→ACK round trip
   (``PlanLedger.plan_push_ms``, both kinds) is reported as
   ``plan_ack_rtt_ms_p50/p99``.
+- ``controller_plans_deferred``: rotation turns the controller put off
+  because the worker's stream was still writing its previous message
+  (``SpeculationControllerServicer.plans_deferred``; such a worker is planned
+  once that write completes).
 - ``agent_decide_us_median``: ``SpeculationAgent.decide`` with a plan from
   the real goodput policy installed through the agent's compile path, median
   over 20 batches of 10 000 calls.
@@ -516,9 +522,10 @@ async def _controller_main(conn, profile_dir: str | None) -> None:
     conn.send(("ready", running.port))
     if profiler is not None:
         profiler.enable()
-    open_streams, queue_dropped, drift = 0, 0, None
+    open_streams, queue_dropped, plans_deferred, drift = 0, 0, 0, None
     try:
         await wait_for_stop(conn)
+        plans_deferred = running.servicer.plans_deferred
         open_streams = len(running.servicer.streams)
         queue_dropped = sum(s.dropped for s in running.servicer.streams.values())
         drift = running.alerting.stats() if running.alerting is not None else None
@@ -531,7 +538,8 @@ async def _controller_main(conn, profile_dir: str | None) -> None:
     stats = {"samples": sampler.samples, "peak_rss_mb": peak_rss_mb(), "ack_rtt": timers.ack_rtt,
              "policy": ctl.policy.name, "rejections": {int(k): v for k, v in ctl.rejections.items()},
              "workers": len(workers), "steps": sum(s.steps_ingested for s in workers.values()),
-             "send_queue_dropped": queue_dropped, "open_streams_at_stop": open_streams, "loop_errors": loop_errors[:20],
+             "send_queue_dropped": queue_dropped, "plans_deferred": plans_deferred,
+             "open_streams_at_stop": open_streams, "loop_errors": loop_errors[:20],
              "loop_error_count": len(loop_errors), "drift_monitor": drift}
     if profiler is not None:
         path = Path(profile_dir)
@@ -945,6 +953,7 @@ def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duratio
         "controller_peak_rss_mb": ctl_srv.get("peak_rss_mb"),
         "controller_rejections": ctl_srv.get("rejections", {}),
         "controller_send_queue_dropped": ctl_srv.get("send_queue_dropped"),
+        "controller_plans_deferred": ctl_srv.get("plans_deferred"),
         "controller_drift_monitor": ctl_srv.get("drift_monitor"),  # sampled share, µs per request-step, events
         "controller_open_streams_at_stop": ctl_srv.get("open_streams_at_stop"),
         "controller_loop_errors": ctl_srv.get("loop_errors"),

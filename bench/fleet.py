@@ -94,6 +94,7 @@ ALPHA = 0.8
 DRIFT_ALPHA = 0.5
 MAX_DEPTH = 6
 CONVERGED_SPREAD = 0.02
+TRUTH_WINDOW_S = 3.0  # the last seconds of the convergence window: the replicas' settled α₁ against the fleet's
 PROPAGATED = 0.05  # a drop of α₁ this large on a replica whose workers did not see it: well above its noise
 # The drift monitor at the sizes tests use (tests/test_drift_monitor.py FAST): baselines and
 # windows of a few hundred request-steps, so an alert opens seconds after a drop, not hours.
@@ -366,6 +367,8 @@ class _Sim:
     step_id: int = 0
     next_request: int = 0
     slots: list = field(default_factory=list)
+    # Position-1 trials and acceptances of requests in the drifted bucket: the fleet's truth there.
+    drift_pos1: list = field(default_factory=lambda: [0, 0])
 
     def new_request(self) -> list:
         self.next_request += 1
@@ -387,6 +390,9 @@ class _Sim:
             accepted = 0
             while accepted < depth and rng.random() < alpha:
                 accepted += 1
+            if start == DRIFT_CONTEXT and depth:
+                self.drift_pos1[0] += 1
+                self.drift_pos1[1] += accepted > 0
             deepest = max(deepest, depth)
             rows.append(RequestTelemetry(rid, ctx, depth, 1 if depth else 0, depth, accepted,
                                          requested_depth=depth, requested_width=d.width if depth else 0,
@@ -463,6 +469,10 @@ class FleetLoad:
     def observed(self, wid: str) -> int:
         """Steps worker ``wid`` has made (its step ids are 1..this)."""
         return self.sims[wid].step_id
+
+    def drift_pos1(self) -> tuple[int, int]:
+        """Position-1 (trials, acceptances) every worker has drawn so far in the drifted bucket."""
+        return (sum(s.drift_pos1[0] for s in self.sims.values()), sum(s.drift_pos1[1] for s in self.sims.values()))
 
     def set_alpha(self, wids, context: int, alpha: float) -> None:
         for wid in wids:
@@ -658,10 +668,24 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
         load.set_alpha(load.on(addresses[0]), DRIFT_CONTEXT, DRIFT_ALPHA)
         t_drop = time.time()
         series: list[dict] = []
+        truth_from = None  # position-1 counts when the last TRUTH_WINDOW_S of the window began
         while time.time() - t_drop < converge_s:
+            if truth_from is None and time.time() - t_drop >= converge_s - TRUTH_WINDOW_S:
+                truth_from = load.drift_pos1()
             alphas = {a: await view.alpha1(a, w) for a, w in watched.items() if w is not None}
             series.append({"t": time.time() - t_drop, "alpha1": alphas})
             await asyncio.sleep(0.5)
+        truth_to = load.drift_pos1()
+        truth_from = truth_from or (0, 0)
+        trials, accepted = truth_to[0] - truth_from[0], truth_to[1] - truth_from[1]
+        # One model fed every step, its cap binding (thousands of chains a second in this bucket against
+        # max_evidence 2,000), holds mostly the last seconds: their empirical acceptance is its position 1.
+        truth = accepted / trials if trials else None
+        final = {}
+        for a in (a for a in watched if watched[a] is not None):
+            last = [s["alpha1"][a] for s in series
+                    if s["t"] >= converge_s - TRUTH_WINDOW_S and s["alpha1"].get(a) is not None]
+            final[a] = sum(last) / len(last) if last else None
         complete = [s for s in series if len(s["alpha1"]) == len(watched) and None not in s["alpha1"].values()]
         spreads = [(s["t"], max(s["alpha1"].values()) - min(s["alpha1"].values())) for s in complete]
         above = [t for t, sp in spreads if sp > CONVERGED_SPREAD]
@@ -679,10 +703,13 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
             "propagated_drop": PROPAGATED, "propagation_s": propagation,
             "spread_max": max((sp for _, sp in spreads), default=None),
             "spread_final": spreads[-1][1] if spreads else None,
+            "alpha1_truth": truth, "alpha1_truth_trials": trials,
+            "alpha1_final": final,  # each replica's mean over the same last seconds
             "series": series,
         }
         progress(f"[{backend}] convergence: {out['convergence']['convergence_s']} s (final spread "
-                 f"{out['convergence']['spread_final']}); the drop reached the other replicas after {propagation} s")
+                 f"{out['convergence']['spread_final']}); the drop reached the other replicas after {propagation} s; "
+                 f"settled α₁ {[x and round(x, 3) for x in final.values()]} against the fleet's {truth}")
 
         # ---- Alerts: the drop reaches every worker.
         load.set_alpha(list(load.sims), DRIFT_CONTEXT, DRIFT_ALPHA)
@@ -850,6 +877,8 @@ def summarize(phases: dict[str, dict], **setup) -> dict:
         report[f"convergence_s_{name}"] = p["convergence"]["convergence_s"]
         report[f"propagation_s_{name}"] = p["convergence"]["propagation_s"]
         report[f"posterior_spread_final_{name}"] = p["convergence"]["spread_final"]
+        report[f"alpha1_final_{name}"] = list(p["convergence"]["alpha1_final"].values())
+        report[f"alpha1_truth_{name}"] = p["convergence"]["alpha1_truth"]
         report[f"open_alerts_max_per_stratum_{name}"] = p["alerts"]["open_max_per_stratum"]
         report[f"plan_push_ms_per_replica_{name}"] = [r["plan_push_ms"] for r in p["replicas"]]
         report[f"cpu_per_1k_steps_marginal_{name}"] = p["cpu_per_1k_steps_marginal_ms"]

@@ -119,7 +119,8 @@ from policies.classes import ClassSet
 from policies.presets import list_presets, load_preset
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import plan_pb2, worker_pb2
-from worker.sdk.agent import AgentOptions, CompiledPlan, compile_classes, compile_plan, step_to_proto
+from worker.sdk.agent import (AgentOptions, AgentStats, CompiledPlan, LocalDecisions, compile_classes, compile_plan,
+                              step_to_proto)
 from worker.sim.hello import hello_proto
 from worker.sim.measured import MEASURED_HARDWARE
 from worker.sim.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, shipped_scenarios
@@ -480,7 +481,12 @@ class WorkerLink:
     and :meth:`decide` looks a request up in its class's table, the
     ``default_class``'s for a request without a class or with a name the plan
     does not list (counted in :attr:`unknown_classes`, never refused). A plan
-    without classes gives every request its one table."""
+    without classes gives every request its one table.
+
+    Decisions go through the agent's own :class:`worker.sdk.agent.LocalDecisions`
+    (plan, overrides, and each request's state from the steps it ran when the
+    plan has state tables, issue #28), the very code ``SpeculationAgent.decide``
+    runs."""
 
     def __init__(self, worker: SimWorker, controller: Controller, delay_steps: int, fallback: Decision,
                  options: AgentOptions = AgentOptions(), calibration: Sequence = ()) -> None:
@@ -491,9 +497,9 @@ class WorkerLink:
         self.delay_steps = delay_steps
         self.options = options
         self.table = DecisionTable.uniform(fallback, (1,), (0,))
-        self.plan = CompiledPlan.single(self.table)  # with the plan's class tables, as the agent holds it
-        self.unknown_classes = 0  # decisions asked for a class the plan does not list
-        self.overrides: dict[str, Decision] = {}
+        self.stats = AgentStats()  # unknown_class: decisions asked for a class the plan does not list
+        self.local = LocalDecisions(CompiledPlan.single(self.table), self.stats)
+        self.decide = self.local.decide  # SpeculationAgent.decide's lookup, the same code
         self.version = 0
         self.steps = 0
         self.pending: deque = deque()
@@ -504,25 +510,22 @@ class WorkerLink:
         self.nacks = 0
         self.rejections = 0
 
-    def decide(self, request_id: str, context_len: int, batch_size: int, request_class: str = "") -> Decision:
-        override = self.overrides.get(request_id)
-        if override is not None:
-            return override
-        plan = self.plan  # SpeculationAgent.decide's lookup
-        if request_class and plan.tables:
-            table = plan.tables.get(request_class)
-            if table is None:
-                self.unknown_classes += 1
-                table = plan.default_table
-            return table.lookup(batch_size, context_len)
-        return plan.default_table.lookup(batch_size, context_len)
+    @property
+    def plan(self) -> CompiledPlan:
+        """The plan in force, as the agent holds it (with its class and state tables)."""
+        return self.local.plan
+
+    @property
+    def unknown_classes(self) -> int:
+        return self.stats.unknown_class
 
     def after_step(self, result: StepResult) -> None:
         self.steps += 1
+        self.local.observe(result.telemetry)  # each request's last outcome, as SpeculationAgent.observe keeps it
         self.unsent.append(step_to_proto(result.telemetry))  # RequestStep.request_class from the telemetry
         self.unsent_finished.extend(result.finished)
         for s in result.finished:
-            self.overrides.pop(s.request_id, None)
+            self.local.forget(s.request_id)
         if (result.end - self.last_flush >= self.options.flush_interval_s
                 or len(self.unsent) >= self.options.max_steps_per_message):
             self.flush(result.end)
@@ -549,13 +552,13 @@ class WorkerLink:
         try:
             if isinstance(item, plan_pb2.Plan):
                 table = compile_plan(item, self.hello, self.version)
-                self.plan = compile_classes(item, self.hello, table)
+                self.local.install(compile_classes(item, self.hello, table))
                 self.table = table
                 self.version = item.version
                 self.plans_applied += 1
             else:
                 d = self.hello.drafter
-                overrides = dict(self.overrides)
+                overrides = dict(self.local.overrides)
                 for rd in item.decisions:
                     cell = rd.decision
                     if cell.depth > d.max_depth or cell.width > d.max_width or cell.max_nodes > d.max_tree_nodes:
@@ -563,7 +566,7 @@ class WorkerLink:
                     overrides[rd.request_id] = Decision(cell.depth, cell.width, cell.max_nodes)
                 for rid in item.cleared:
                     overrides.pop(rid, None)
-                self.overrides = overrides
+                self.local.overrides = overrides
         except ValueError as err:
             self.nacks += 1
             ctl.nack(state, worker_pb2.Nack(version=item.version, nonce=item.nonce, reason=str(err)))

@@ -10,6 +10,13 @@ ABORTED (counted, logged). A stream silent for ``worker_idle_ttl_s`` is
 ended with DEADLINE_EXCEEDED. About once a second a stream that brought
 steps gets a ``TelemetryReceipt`` naming the last step read, so the worker
 knows what a break may have lost.
+
+A stream writes one message at a time: gRPC resumes the Connect generator
+only once the previous write completed, and under load (256 busy streams on
+one event loop) a completion takes ~100 ms. A plan queued behind a receipt
+would wait that long, so a worker whose stream has a write in flight is not
+planned until the write completes (at most ``PLAN_WAIT_FOR_WRITE_S``); its
+turn is kept, and its plan is computed then, from the telemetry of then.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
 
 log = logging.getLogger("specctl.service")
 SERVICE_NAME = "speculation.v1.SpeculationController"
+# A worker whose stream has had one write in flight this long is planned anyway (its plan queues
+# behind the write): a reader that slow is not worth starving its re-plans for.
+PLAN_WAIT_FOR_WRITE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,14 @@ class Stream:
         self.last_step_id = 0
         self.receipted = 0
         self.receipt_at = float("-inf")
+        # time.monotonic() when gRPC took the message now being written; None while no write is in flight.
+        self.write_started_at: float | None = None
+
+    def ready_for_plan(self, now: float) -> bool:
+        """True unless a write is in flight (for less than ``PLAN_WAIT_FOR_WRITE_S``):
+        a plan queued now would leave only when that write completes."""
+        started = self.write_started_at
+        return started is None or now - started >= PLAN_WAIT_FOR_WRITE_S
 
     def end(self, code: grpc.StatusCode, message: str) -> None:
         """End the call with ``code``: nothing read after this is applied."""
@@ -105,6 +123,10 @@ class SpeculationControllerServicer:
         self.policy_source = None  # controller.reload.PolicySource of the server
         self.fleet = None  # controller.fleet.replica.FleetReplica with state.backend: redis
         self._next_stream = 0
+        # Workers passed over in their rotation turn because their stream was writing, oldest first
+        # (an insertion-ordered set), and how many turns were put off so (a count, for the benchmark).
+        self.deferred: dict[str, None] = {}
+        self.plans_deferred = 0
         controller.on_hello.append(self._rebind_stream)
 
     # ------------------------------------------------------------- Connect
@@ -147,7 +169,9 @@ class SpeculationControllerServicer:
                 item = await stream.queue.get()
                 if item is None:
                     break
-                yield item
+                stream.write_started_at = time.monotonic()
+                yield item  # gRPC comes back for the next item once this write has completed
+                stream.write_started_at = None
             if stream.ending is not None:
                 await context.abort(*stream.ending)
         finally:
@@ -270,21 +294,45 @@ class SpeculationControllerServicer:
         rotation: a replica taking over a dead one's workers would otherwise
         plan each newcomer in its turn among every re-plan, and with 200
         workers on a budget of ~55 policy runs a second the last one would
-        wait ~4 s on its fallback."""
+        wait ~4 s on its fallback.
+
+        A worker whose stream is still writing its last message (see
+        :meth:`Stream.ready_for_plan`) is passed over; if its turn in the
+        rotation came with its policy due, it is tried first on the next ticks
+        until planned."""
         streams = list(self.streams.values())
         if not streams:
             return
         start = time.perf_counter()
+        now = time.monotonic()
         for stream in streams:
-            if stream.state.plans.current is not None:
+            if stream.state.plans.current is not None or not stream.ready_for_plan(now):
                 continue
             if self._push_plans(stream):
                 await asyncio.sleep(0)
             if time.perf_counter() - start > budget_s:  # a policy run that pushed nothing costs too
                 return
+        for worker_id in list(self.deferred):
+            stream = self.streams.get(worker_id)
+            if stream is None:
+                del self.deferred[worker_id]
+                continue
+            if not stream.ready_for_plan(time.monotonic()):
+                continue
+            del self.deferred[worker_id]
+            if self._push_plans(stream):
+                await asyncio.sleep(0)
+            if time.perf_counter() - start > budget_s:
+                return
         first = self._next_stream % len(streams)
         for k in range(len(streams)):
-            if self._push_plans(streams[(first + k) % len(streams)]):
+            stream = streams[(first + k) % len(streams)]
+            if not stream.ready_for_plan(time.monotonic()):
+                if stream.state.worker_id not in self.deferred and self.controller.plans.due(stream.state):
+                    self.deferred[stream.state.worker_id] = None
+                    self.plans_deferred += 1
+                continue
+            if self._push_plans(stream):
                 await asyncio.sleep(0)
             if time.perf_counter() - start > budget_s:
                 self._next_stream = first + k + 1
@@ -325,6 +373,9 @@ class SpeculationControllerServicer:
             if q.context_len > MAX_CONTEXT_LEN:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"queries[{i}].context_len: {q.context_len} must be in 0..{MAX_CONTEXT_LEN}")
+            if q.request_state not in plan_pb2.RequestState.values():
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"queries[{i}].request_state: {q.request_state} is not a RequestState")
         session = (controller_pb2.WORKER_SESSION_STREAM if state.worker_id in self.streams
                    else controller_pb2.WORKER_SESSION_UNARY)
         ctl.seen(state, session)
@@ -338,7 +389,7 @@ class SpeculationControllerServicer:
             state = ctl.workers.get(request.worker_id) or state
         ctl.plan_updates(state)  # a new table when one is due; a unary caller gets it in the answers below
         for q in request.queries:
-            d = ctl.decide(state, q.request_id, q.context_len, q.batch_size, q.request_class)
+            d = ctl.decide(state, q.request_id, q.context_len, q.batch_size, q.request_class, q.request_state)
             response.decisions.append(decision_to_proto(d))
         if session == controller_pb2.WORKER_SESSION_UNARY:
             for version in list(state.plans.pending):  # it has no stream to ACK on: answering from a plan applies it

@@ -194,6 +194,9 @@ class LoadProfile:
     # context length inside each bucket (tokens).
     context_share: tuple[float, ...] = ()
     context_mean: tuple[float, ...] = ()
+    # Share of request-steps per request state (index: ``policies.outcome`` state, its
+    # previous step's outcome); empty before any step or where the controller keeps none.
+    state_share: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,10 @@ class Observation:
     # Acceptance of the relaxed (typical) rule for classes that use it; None: not observed yet
     # (such a class is valued with ``acceptance``, the strict rule's, a lower bound).
     acceptance_typical: AcceptanceEstimate | None = None
+    # The strict rule's acceptance of the request-steps in each request state
+    # (``policies.outcome``: the outcome of the request's previous step), same strata as
+    # ``acceptance``; extra views of the same evidence, empty where none was kept.
+    acceptance_by_state: Mapping[int, AcceptanceEstimate] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -243,9 +250,16 @@ class PlanDraft:
     # Per request class (name -> table, same edges as ``table``); a class not listed
     # uses ``table``. Empty for a policy that treats every class alike.
     class_tables: Mapping[str, DecisionTable] = field(default_factory=dict)
+    # Per request state (``policies.outcome``: AFTER_MISS, AFTER_HIT; same edges as
+    # ``table``) for the requests ``table`` decides; a state not listed, and the default
+    # state, use ``table``. Empty: no request's last outcome changes its decision.
+    state_tables: Mapping[int, DecisionTable] = field(default_factory=dict)
 
     def table_for(self, request_class: str) -> DecisionTable:
         return self.class_tables.get(request_class, self.table)
+
+    def table_for_state(self, state: int) -> DecisionTable:
+        return self.state_tables.get(state, self.table)
 
 
 ConfigT = TypeVar("ConfigT")

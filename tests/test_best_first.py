@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import policies.allocation as allocation
 import policies.goodput as goodput
 import worker.reference.drafters.base as drafters_base
 import worker.reference.drafters.ngram as ngram
@@ -164,7 +165,7 @@ def spy(monkeypatch):
         grown.append(tree)
         return tree
 
-    for module in (goodput, sim_tree, drafters_base, ngram):
+    for module in (allocation, sim_tree, drafters_base, ngram):  # allocation: the goodput policy's tree values
         monkeypatch.setattr(module, "grow_best_first", recording)
     return grown
 

@@ -219,3 +219,20 @@ def test_observe_step_works_as_the_controllers_on_step_hook() -> None:
     assert {s["stratum"] for s in version["strata"]} == {"ctx[0,1024)/chat", "ctx[1024,2048)/chat",
                                                          "ctx[2048,4096)/chat"}
     assert sum(s["steps"] for s in version["strata"]) == 400
+
+
+def test_a_drift_that_goes_on_alerts_only_its_own_stratum() -> None:
+    """A drop on long contexts that goes on for 20k steps after it is seen
+    alerts its own stratum once and never the quiet short-context stratum
+    interleaved with it (the fleet-wide monitor's test in test_replicas.py
+    once named it)."""
+    n = 24_000
+    quiet = custom_stream(n, 5, (100, 1000))
+    drop = custom_stream(n, 6, (1100, 2000), factor=np.r_[np.ones(4000), np.full(n - 4000, 0.75)])
+    both = {k: np.stack([quiet[k], drop[k]], axis=1).reshape(-1) for k in ("ctx", "depth", "tau")}  # interleaved
+    mon = AcceptanceDriftMonitor(**FAST)
+    feed(mon, both)
+    alerts = list(mon.alerts.values())
+    assert alerts, "the drop on long contexts was not seen"
+    assert {a.context_len_min for a in alerts} == {1024}, [(a.stratum, a.detector, a.expected_tau_change)
+                                                          for a in alerts]

@@ -66,6 +66,8 @@ class Fleet:
         self.syncs = [AcceptanceSync(m, s, seed_grace_s=0.0) for m, s in zip(self.models, self.stores)]
         self.rng = np.random.default_rng(seed)
         self.now = 0.0
+        for sync in self.syncs:  # the fleet exists before the traffic: the first replica seeds it
+            assert sync.merge_now() or sync.merge_now()
 
     def second(self, alpha: float = 0.8, steps: int = 120, merge: bool = True) -> list[bool]:
         """One simulated second: ``steps`` chains spread over replicas and buckets, a tick, a merge each."""
@@ -86,8 +88,9 @@ class Fleet:
         return [s.merge_now() for s in self.syncs] if merge else []
 
     def settle(self) -> None:
-        """Every replica pushes what it holds and reads the others' (two rounds: the last pusher's evidence
-        reaches the first one in the second)."""
+        """A tick later, every replica pushes what it holds and reads the others' (two rounds: the last
+        pusher's evidence reaches the first one in the second); the last tick's evidence is rolled by then."""
+        self.now += 1.0
         for m in (*self.models, self.single):
             m.tick(self.now)
         for _ in range(2):
@@ -175,24 +178,53 @@ def test_two_replicas_hold_exactly_what_one_model_fed_everything_holds(redis_ser
             ref = fleet.posteriors(fleet.single, bucket)
             for m in fleet.models:
                 assert fleet.posteriors(m, bucket).offer_probs() == pytest.approx(ref.offer_probs(), abs=1e-9)
-        assert fleet.posteriors(fleet.single, 0).effective_samples()[0] == pytest.approx(2000.0, rel=1e-4)  # capped
+        # Capped at its last tick, then decayed over the second settle() waits.
+        assert fleet.posteriors(fleet.single, 0).effective_samples()[0] == pytest.approx(2000.0 * 0.5 ** (1 / 60),
+                                                                                        rel=1e-4)
         counts = fleet.syncs[0].counts
         assert counts["batches_applied"] >= 89 and counts["merge_failures"] == 0
     finally:
         fleet.close()
 
 
-def test_under_a_binding_cap_merge_order_moves_means_very_little(redis_server, no_carry) -> None:
-    """100 steps per replica per bucket a second, far above what a second of decay removes at the cap:
-    each merge caps the totals once more than one model's tick does, which weighs the later delta a little
-    more. The evidence stays exact (capped either way); the means move by under 0.002."""
+def test_under_a_binding_cap_replicas_still_hold_exactly_one_models_posterior(redis_server, no_carry) -> None:
+    """600 and 6,000 steps a second, far above what a second of decay removes at the cap (and at 6,000 above
+    the cap itself every tick): the fleet caps the sum of every replica's deltas once per tick, as one model
+    caps its tick's evidence, so merge order does not matter and the views are exact."""
+    for steps in (600, 6000):
+        fleet = Fleet(redis_server, n=2)
+        try:
+            fleet.stores[0].client.flushall()
+            for second in range(60):
+                fleet.second(alpha=0.8 if second < 30 else 0.55, steps=steps)
+            fleet.settle()
+            mean_gap, evidence_gap = fleet.max_gap()
+            assert mean_gap < 1e-9 and evidence_gap < 1e-9, (steps, mean_gap, evidence_gap)
+        finally:
+            fleet.close()
+
+
+def test_a_late_delta_joins_its_tick_through_the_cap_factors(redis_server, no_carry) -> None:
+    """Replica 1's push for tick k lands after replica 0's push for tick k + 1 has rolled tick k: it joins
+    the settled posterior through the cap factors that roll left, which is exactly the roll with it in."""
     fleet = Fleet(redis_server, n=2)
     try:
-        for second in range(60):
-            fleet.second(alpha=0.8 if second < 30 else 0.55, steps=600)
+        for _ in range(10):
+            fleet.second(steps=6000)
+        fleet.second(steps=6000, merge=False)  # tick k
+        late = fleet.syncs[1].prepare()  # sealed now, lands later
+        assert late.batch is not None and fleet.syncs[0].merge_now()
+        tick_k = int(np.floor(late.batch.deltas[0].at))
+        fleet.second(steps=6000, merge=False)  # tick k + 1
+        assert fleet.syncs[0].merge_now()
+        key = fleet.syncs[0].stratum_key(late.batch.deltas[0].stratum)
+        assert int(fleet.stores[0].client.hget(key, "k")) == tick_k  # rolled without replica 1's delta
+        reply = fleet.stores[1].call("acceptance_merge", lambda r: fleet.syncs[1].exchange(late, r))
+        assert reply.applied and fleet.syncs[1].install(reply)
+        assert fleet.syncs[1].merge_now()  # its tick k + 1
         fleet.settle()
         mean_gap, evidence_gap = fleet.max_gap()
-        assert 0 < mean_gap < 0.002 and evidence_gap < 1e-9, (mean_gap, evidence_gap)
+        assert mean_gap < 1e-9 and evidence_gap < 1e-9, (mean_gap, evidence_gap)
     finally:
         fleet.close()
 
@@ -353,6 +385,11 @@ def test_strata_the_reseeding_replica_never_held_keep_their_history(redis_server
                 assert sync.merge_now()
         reseeded = [sync.counts["strata_reseeded"] for sync in syncs]
         assert sorted(reseeded) == [0, 0, 1], reseeded  # "b"'s one stratum with evidence, added once
+        now += 1.0  # a tick later, with no new evidence: the last tick's deltas are rolled into what they plan from
+        for m in (*models, single):
+            m.tick(now)
+        for sync in syncs:
+            assert sync.merge_now()
         ref = single.strata(b_key, 4, 1)[0]
         for m in models[1:]:
             post = m.strata(b_key, 4, 1)[0]
@@ -384,8 +421,11 @@ def test_a_replica_meeting_a_drafter_version_first_plans_from_the_fleet(redis_se
             # Equal up to the decay between the totals' time and replica 0's last tick (under 1e-6 here).
             assert got.stick_mean() == pytest.approx(want.stick_mean(), abs=1e-6)
             assert got.effective_samples() == pytest.approx(want.effective_samples(), rel=1e-4)
-            stored = late_store.client.hget(sync.stratum_key((KEY, bucket)), "s")
-            assert got.succ == pytest.approx(np.frombuffer(stored, "<f8").tolist(), rel=1e-12)
+            # It plans from the fleet's settled posterior itself (decayed to its own clock).
+            stored, at = late_store.client.hmget(sync.stratum_key((KEY, bucket)), "s", "t")
+            decay = 0.5 ** ((got.updated_at - float(at)) / late.half_life_s)
+            assert got.view is not None
+            assert got.planning_arrays()[0] == pytest.approx(np.frombuffer(stored, "<f8") * decay, rel=1e-12)
         assert sync.counts["seeds"] == 0 and sync.counts["epochs_adopted"] == 1
     finally:
         fleet.close()
@@ -406,8 +446,11 @@ def test_a_new_replica_does_not_seed_an_empty_store_at_once(redis_server) -> Non
         clock[0] = 3.5
         assert sync.merge_now() is False  # grace over: this round asks for the seed
         assert sync.merge_now() is True and sync.counts["seeds"] == 1
-        stored = store.client.hget(sync.stratum_key((KEY, 0)), "s")
-        assert np.frombuffer(stored, "<f8")[:3].tolist() == pytest.approx([10.0, 10.0, 0.0])
+        # Seeded with nothing settled (it had no evidence but its own unpushed delta), which then opened
+        # the fleet's current tick.
+        settled, opened = store.client.hmget(sync.stratum_key((KEY, 0)), "t", "us")
+        assert settled is None
+        assert np.frombuffer(opened, "<f8")[:3].tolist() == pytest.approx([10.0, 10.0, 0.0])
     finally:
         store.close()
 
@@ -452,8 +495,7 @@ async def test_a_hung_redis_never_blocks_the_event_loop(redis_server) -> None:
     beat = asyncio.create_task(heartbeat())
     try:
         fleet.second(merge=False)
-        assert not await fleet.syncs[0].sync_once()  # a new fleet: this round finds the store empty
-        assert await fleet.syncs[0].sync_once()  # and this one seeds it
+        assert await fleet.syncs[0].sync_once()
         os.kill(redis_server.pid, signal.SIGSTOP)  # alive, accepting, answering nothing
         try:
             fleet.second(merge=False)

@@ -25,7 +25,11 @@ here so this module needs no Redis client): events this replica originates
 also go to the fleet's log; events other replicas originate come back through
 :meth:`DriftAlerting.mirror` into the local store and the WatchAlerts streams
 (not the sinks: the replica that originated an event ran them); history and
-acknowledgements are read fleet-wide.
+acknowledgements are read fleet-wide. With one monitor per drafter version
+fleet-wide (``state.drift_monitor: fleet``, :mod:`controller.fleet.drift_owner`)
+the feed forwards every kept step to the fleet (``MonitorFeed.forward``) and
+its monitor is fed, within the same budget, the steps of the versions this
+replica runs, from every replica (``MonitorFeed.push_inbound``).
 """
 
 from __future__ import annotations
@@ -119,6 +123,13 @@ class MonitorFeed:
         self._window_start = wall()
         self._window_added = self._window_done = 0
         self._window_busy = self._window_budget = 0.0
+        # Several replicas (controller.fleet.drift_owner): every kept step goes to ``forward`` (the
+        # fleet's evidence outbox), and the monitor is fed ``inbound`` steps (its drafter versions'
+        # outcomes from every replica, back from the fleet) instead.
+        self.forward: Callable[[Any, str, float, Sequence[Any]], None] | None = None
+        self.inbound: deque = deque()
+        self.inbound_buffered = 0
+        self.forwarded = 0
 
     # ------------------------------------------------------------ ingest path
     def on_rows(self, state: Any, step: Any, rows: Sequence[RequestRow]) -> None:
@@ -154,21 +165,28 @@ class MonitorFeed:
 
         A step is never split; time spent past the budget (a recalibration
         inside the monitor) is paid back by skipping the next ticks' work.
+        With :attr:`forward` set, every buffered step is handed on first (a
+        cheap append) and the budget goes to :attr:`inbound` instead.
         """
         timer = self._timer
         start = timer()
+        if self.forward is not None and self._buffer:
+            self._forward_all()
         allowed = budget_s - self._debt
         done = 0
-        buffer = self._buffer
-        if allowed > 0.0 and buffer:
+        queue = self._buffer if self.forward is None else self.inbound
+        if allowed > 0.0 and queue:
             observe = self.monitor.observe_request
             clock = self.monitor.clock
-            while buffer:
-                limits, worker, timestamp, kept = buffer.popleft()
+            while queue:
+                item = queue.popleft()
+                limits, worker, timestamp, kept = item[:4]
                 now = timestamp or clock()
                 try:
                     for ctx, accepted, depth, ranks, cands, domain in kept:
                         observe(limits, ctx, accepted, depth, ranks, cands, domain, now, worker)
+                    if len(item) > 4 and item[4] is not None:
+                        item[4]()
                 except Exception:  # noqa: BLE001 - a monitor fault must not stop plans being pushed
                     self.errors += 1
                     if self.errors <= 3 or self.errors % 1000 == 0:
@@ -176,7 +194,10 @@ class MonitorFeed:
                 done += len(kept)
                 if timer() - start >= allowed:
                     break
-            self.buffered -= done
+            if self.forward is None:
+                self.buffered -= done
+            else:
+                self.inbound_buffered -= done
             self.observed += done
         elapsed = timer() - start
         self._debt = max(0.0, self._debt + elapsed - budget_s)
@@ -187,6 +208,41 @@ class MonitorFeed:
         if self._overflowed or now - self._window_start >= self.adapt_every_s:
             self._adapt(now)
         return done
+
+    def _forward_all(self) -> None:
+        forwarded = 0
+        buffer, forward = self._buffer, self.forward
+        while buffer:
+            limits, worker, timestamp, kept = buffer.popleft()
+            try:
+                forward(limits, worker, timestamp, kept)
+            except Exception:  # noqa: BLE001 - a fault on the way out must not stop plans being pushed
+                self.errors += 1
+                if self.errors <= 3 or self.errors % 1000 == 0:
+                    log.exception("drift evidence of %s not forwarded (%d failures)", worker, self.errors)
+            forwarded += len(kept)
+        self.buffered -= forwarded
+        self.forwarded += forwarded
+
+    def push_inbound(self, limits: Any, worker: str, timestamp: float, kept: Sequence[Sequence[Any]],
+                     after: Callable[[], None] | None = None) -> None:
+        """Queue a step of another replica's (or this one's, back from the fleet) for the monitor; ``after``
+        is called once it is fed (with :attr:`forward` set; the fleet's reader bounds what it queues)."""
+        self.inbound.append((limits, worker, timestamp, kept, after))
+        self.inbound_buffered += len(kept)
+
+    def purge_inbound(self, drop: Callable[[Any], bool]) -> int:
+        """Forget queued inbound steps whose limits ``drop`` selects (their ``after`` is not called);
+        returns the request-steps forgotten."""
+        kept, gone = deque(), 0
+        for item in self.inbound:
+            if drop(item[0]):
+                gone += len(item[3])
+            else:
+                kept.append(item)
+        self.inbound = kept
+        self.inbound_buffered -= gone
+        return gone
 
     def _adapt(self, now: float) -> None:
         """Resize the subset so that arrivals fill 80 % of the budget; drop a backlog it cannot work off.
@@ -199,7 +255,9 @@ class MonitorFeed:
         self._done_sum = 0.7 * self._done_sum + self._window_done
         if self._done_sum >= 50:
             self.cost_s = self._busy_sum / self._done_sum
-        if self.cost_s is None and self._overflowed:
+        if self.forward is not None:
+            pass  # steps are forwarded whole each tick: the owner's reader bounds what its monitor is fed
+        elif self.cost_s is None and self._overflowed:
             self.fraction = max(self.fraction / 4.0, MIN_FRACTION)  # no cost known yet: back off
             self._threshold = hash_threshold(self.fraction)
         elif self.cost_s:
@@ -223,7 +281,8 @@ class MonitorFeed:
 
     def stats(self) -> dict[str, Any]:
         return {"sample_fraction": self.fraction, "buffered": self.buffered, "dropped": self.dropped,
-                "observed": self.observed, "errors": self.errors,
+                "observed": self.observed, "errors": self.errors, "forwarded": self.forwarded,
+                "inbound": self.inbound_buffered,
                 "us_per_request_step": None if self.cost_s is None else self.cost_s * 1e6}
 
 

@@ -18,6 +18,7 @@ from typing import Callable
 from controller.config import ServerConfig
 from controller.core.classes import ClassTracker
 from controller.core.ingest import AcceptanceBatch, apply_step
+from controller.core.outcomes import StateAcceptanceModels
 from controller.core.plans import PlanDesk
 from controller.core.state import LoadTracker, WorkerState
 from controller.models.acceptance import AcceptanceModel, AcceptancePrior
@@ -31,6 +32,7 @@ from controller.protocol import (
     drafter_limits,
     class_plans,
     plan_to_proto,
+    state_plans,
     validate_finished,
     validate_hello,
     validate_step,
@@ -67,6 +69,10 @@ class Controller:
             max_evidence=a.max_evidence,
             prior=AcceptancePrior(rank1_mean=a.prior_rank1_mean, strength=a.prior_strength),
         )
+        # The strict rule's evidence split by request state (controller.core.outcomes): extra views, local.
+        self.acceptance_by_state = StateAcceptanceModels(
+            self.context_edges, a.half_life_s, a.max_evidence,
+            AcceptancePrior(rank1_mean=a.prior_rank1_mean, strength=a.prior_strength))
         self.plans = PlanDesk(self)
         self.workers: dict[str, WorkerState] = {}
         self.rejections: Counter = Counter()
@@ -199,28 +205,26 @@ class Controller:
         rejections = []
         state.counters.steps_received += len(reports.steps)
         batch, typical = AcceptanceBatch(), AcceptanceBatch()
+        by_state = self.acceptance_by_state.batches()
         finished_ids = state.requests.finished_ids
         max_batch = state.hello.max_batch_size or MAX_BATCH_SIZE
         keep_requests = self.policy.wants_request_outcomes
         for i, step in enumerate(reports.steps):
             try:
-                rows = validate_step(step, state.limits, f"steps[{i}]", state.session.last_step_id, max_batch)
-                if finished_ids:
-                    for j, row in enumerate(rows):
-                        if row.request_id in finished_ids:
-                            raise Invalid(R.REJECT_REASON_UNKNOWN_REQUEST, f"steps[{i}].requests[{j}].request_id",
-                                          f"{row.request_id!r} already finished", step.step_id)
+                rows = validate_step(step, state.limits, f"steps[{i}]", state.session.last_step_id, max_batch,
+                                     finished_ids)
             except Invalid as err:
                 rejections.append(self.reject(state, err))
                 continue
             apply_step(state, step, rows, batch, typical, self.context_edges, keep_requests,
-                       self.config.max_active_requests, now)
+                       self.config.max_active_requests, now, by_state)
             for hook in self.on_step:
                 hook(state, step)
             for hook in self.on_step_rows:
                 hook(state, step, rows)
         batch.apply(state, self.acceptance, now, state.accept_counts)
         typical.apply(state, self.acceptance_typical, now, None)
+        self.acceptance_by_state.apply(state, by_state, now)
         self.tick_acceptance(now)
         return rejections
 
@@ -232,6 +236,7 @@ class Controller:
             return False
         self.acceptance.tick(now)
         self.acceptance_typical.tick(now)
+        self.acceptance_by_state.tick(now)
         self._last_tick = now
         return True
 
@@ -276,6 +281,7 @@ class Controller:
             class_load=state.classes.class_load(now),
             active_classes=dict(requests.request_class),
             acceptance_typical=self.typical_view(state),
+            acceptance_by_state=self.acceptance_by_state.views(state),
         )
 
     def typical_view(self, state: WorkerState):
@@ -299,10 +305,11 @@ class Controller:
         self.plans.use(state, version)
 
     def decide(self, state: WorkerState, request_id: str, context_len: int, batch_size: int,
-               request_class: str = "") -> Decision:
+               request_class: str = "", request_state: int = 0) -> Decision:
         """One request's decision from the current plan, from its class's table
-        (empty or unknown ``request_class``: the default class; unknown counted)."""
-        return self.plans.decide(state, request_id, context_len, batch_size, request_class)
+        (empty or unknown ``request_class``: the default class; unknown counted),
+        for the default class its ``request_state``'s table if the plan has one."""
+        return self.plans.decide(state, request_id, context_len, batch_size, request_class, request_state)
 
     def set_policy(self, policy: Policy) -> None:
         """Swap the policy; every worker's policy state restarts and gets a new plan."""
@@ -384,7 +391,8 @@ class Controller:
             classes = ledger.in_force_classes
             ws.plan.CopyFrom(plan_to_proto(ledger.in_force.table, ledger.acked_version, "", self.policy.name,
                                            ledger.last_push_at, ledger.in_force.expected_goodput_tok_s,
-                                           class_plans(classes, ledger.in_force), classes.default))
+                                           class_plans(classes, ledger.in_force), classes.default,
+                                           state_plans(ledger.in_force)))
         return ws
 
     def _strata(self, out, view, state: WorkerState) -> None:

@@ -14,6 +14,16 @@ outcome goes to a second model (``typical``: same strata, same drafter key)
 and never to the strict one, nor to ``accept_counts`` (the strict per-position
 counts the status page and metrics show). One reported for a class the
 policy keeps strict is a violation: counted, and its acceptance not used.
+
+Request states (:mod:`policies.outcome`, issue #28): each request-step is in
+the state its request's previous step left it in (after a miss, after a full
+accept, default), kept per active request in ``RequestTracker.last_outcome``.
+A strict request-step's acceptance evidence goes to the pooled strict model
+exactly as without states and, in addition, to its state's model
+(``by_state``: one :class:`AcceptanceBatch` per tracked state, the same
+strata and drafter key; :mod:`controller.core.outcomes`); ``accept_counts`` and
+everything else see nothing new. Every request-step counts towards its
+state's share of the load (``LoadTracker.state_counts``).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from controller.core.state import WorkerState
 from controller.models.acceptance import AcceptanceModel, offer_slots
 from controller.protocol import TYPICAL, RequestRow
 from policies.base import RequestOutcome, StepOutcome
+from policies.outcome import AFTER_HIT, AFTER_MISS, DEFAULT
 from protos.speculation.v1 import worker_pb2
 
 
@@ -62,12 +73,16 @@ class AcceptanceBatch:
 
 def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[RequestRow], batch: AcceptanceBatch,
                typical: AcceptanceBatch, context_edges: tuple[int, ...], keep_requests: bool, max_active: int,
-               now: float) -> None:
+               now: float, by_state: list[AcceptanceBatch | None] | None = None) -> None:
     """Fold one validated step into ``state``: acceptance evidence into
-    ``batch`` (strict rule) or ``typical`` (typical rule, relaxed classes)."""
+    ``batch`` (strict rule) or ``typical`` (typical rule, relaxed classes);
+    a strict request-step's also into ``by_state[s]``, ``s`` its request
+    state (when given and not None; indexed by :data:`policies.outcome.STATES`)."""
     load, requests = state.load, state.requests
     counts, sums = load.context_counts, load.context_sums
+    state_counts = load.state_counts
     active, drafted_through, request_class = requests.active, requests.drafted_through, requests.request_class
+    last_outcome = requests.last_outcome
     resolve = state.classes.resolve
     counters = state.counters
     outcomes = []
@@ -113,39 +128,47 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
         latency[2] = now
         latency[3] += 1
         request_class[rid] = cs.name
-        # Its acceptance: the strict model, the typical one, or (a violation) neither.
-        sink = batch
+        # Its request state: what its previous step left it in (a plain step: the default).
+        outcome = last_outcome.get(rid, DEFAULT)
+        state_counts[outcome] += 1.0
+        last_outcome[rid] = (DEFAULT if not depth else AFTER_MISS if not accepted
+                             else AFTER_HIT if accepted >= depth else DEFAULT)  # policies.outcome.next_state
+        # Its acceptance: the strict model, the typical one, or (a violation) neither;
+        # a strict step's also its state's model (tracked states only).
+        extra = by_state[outcome] if by_state is not None else None
+        sinks = (batch,) if extra is None else (batch, extra)
         if rule == TYPICAL:
             cs.typical += 1.0
             if cs.relaxed:
-                sink = typical
+                sinks = (typical,)
                 counters.typical_request_steps += 1
             else:
-                sink = None
+                sinks = ()
                 counters.typical_violations += 1
-        if sink is not None:
-            if requested:
-                offers = sink.offers
-                tally = offers.get((c, 0, 0))
-                if tally is None:
-                    tally = offers[(c, 0, 0)] = [0, 0]
-                tally[0] += 1
-                tally[1] += depth > 0
-                if requested_width * requested > 1:  # slots past a draft at all
-                    for level, rank, offered in offer_slots(depth, accepted, nodes, ranks, cands, requested,
-                                                            requested_width, requested_nodes):
+        if sinks and (requested or depth):
+            slots = (offer_slots(depth, accepted, nodes, ranks, cands, requested, requested_width, requested_nodes)
+                     if requested and requested_width * requested > 1 else ())  # slots past a draft at all
+            key = (c, depth, accepted)
+            for sink in sinks:
+                if requested:
+                    offers = sink.offers
+                    tally = offers.get((c, 0, 0))
+                    if tally is None:
+                        tally = offers[(c, 0, 0)] = [0, 0]
+                    tally[0] += 1
+                    tally[1] += depth > 0
+                    for level, rank, offered in slots:
                         tally = offers.setdefault((c, level, rank), [0, 0])
                         tally[0] += 1
                         tally[1] += offered
-            if depth:
-                key = (c, depth, accepted)
-                if ranks is None:
-                    chains = sink.chains
-                    chains[key] = chains.get(key, 0) + 1
-                else:
-                    sink.trees.append((c, ranks, cands))
-                    trees = sink.tree_counts
-                    trees[key] = trees.get(key, 0) + 1
+                if depth:
+                    if ranks is None:
+                        chains = sink.chains
+                        chains[key] = chains.get(key, 0) + 1
+                    else:
+                        sink.trees.append((c, ranks, cands))
+                        trees = sink.tree_counts
+                        trees[key] = trees.get(key, 0) + 1
         if depth:
             level_kv += depth * ctx
             if depth > max_depth:
@@ -159,6 +182,7 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
         gone = active.popitem(last=False)[0]
         drafted_through.pop(gone, None)
         request_class.pop(gone, None)
+        last_outcome.pop(gone, None)
     if caught_up:
         state.cost.observe_catch_up(caught_up, catch_up_ms)
     if state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED:  # what the forward really computed

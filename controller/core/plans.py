@@ -26,10 +26,11 @@ import secrets
 from typing import TYPE_CHECKING
 
 from controller.core.state import PlanLedger, SentPlan, WorkerState
-from controller.protocol import Invalid, R, class_plans, decision_to_proto, plan_to_proto
+from controller.protocol import Invalid, R, class_plans, decision_to_proto, plan_to_proto, state_plans
 from policies.base import Observation, PlanDraft
 from policies.classes import ClassSet
-from policies.goodput import class_plan_estimate, table_goodput
+from policies.goodput import class_plan_estimate
+from policies.state_tables import plan_goodputs
 from policies.table import Decision
 from protos.speculation.v1 import plan_pb2, worker_pb2
 
@@ -60,17 +61,13 @@ class PlanDesk:
         """Run the policy when due and return what to push (maybe nothing)."""
         ctl, ledger = self.ctl, state.plans
         now = ctl.clock()
-        settings = ctl.config.plan
         if ledger.resend and ledger.current is not None:
             # The worker's Hello was behind: the current plan again, at once.
             ledger.resend = False
             return [self.send_table(state, ledger.current, now)]
         ledger.resend = False
         force = force or ledger.force_push
-        due = ledger.new_steps > 0 and now - ledger.last_decide_at >= settings.recompute_interval_s
-        if not (force or due):
-            return []
-        if ledger.current is None and state.steps_ingested < settings.steps_before_first_plan and not force:
+        if not self._policy_due(state, now, force):
             return []
         if ledger.current is None and ctl.first_plan_hold is not None and ctl.first_plan_hold(state):
             return []  # a replica awaiting the fleet's statistics for this drafter (bounded by the hold)
@@ -85,13 +82,27 @@ class PlanDesk:
             out.append(decisions)
         return out
 
+    def due(self, state: WorkerState) -> bool:
+        """Whether :meth:`updates` would run the policy (or resend the plan) for
+        ``state`` now: what a turn put off for a busy stream would have cost."""
+        ledger = state.plans
+        return (ledger.resend and ledger.current is not None) or self._policy_due(state, self.ctl.clock(),
+                                                                               ledger.force_push)
+
+    def _policy_due(self, state: WorkerState, now: float, force: bool) -> bool:
+        ledger, settings = state.plans, self.ctl.config.plan
+        if not (force or (ledger.new_steps > 0 and now - ledger.last_decide_at >= settings.recompute_interval_s)):
+            return False
+        return force or ledger.current is not None or state.steps_ingested >= settings.steps_before_first_plan
+
     def send_table(self, state: WorkerState, draft: PlanDraft, now: float) -> plan_pb2.Plan:
         ledger = state.plans
         classes = self.ctl.policy.classes
         ledger.plan_version += 1
         nonce = secrets.token_hex(8)
         plan = plan_to_proto(draft.table, ledger.plan_version, nonce, self.ctl.policy.name, now,
-                             draft.expected_goodput_tok_s, class_plans(classes, draft), classes.default)
+                             draft.expected_goodput_tok_s, class_plans(classes, draft), classes.default,
+                             state_plans(draft))
         ledger.track(SentPlan(plan.version, nonce, draft, now, "plan", classes))
         ledger.current = draft
         ledger.current_classes = classes
@@ -121,8 +132,9 @@ class PlanDesk:
         batches = {max(1.0, obs.load.mean_batch_size), float(max(1, state.load.last_batch_size))}
         margin = 1.0 + self.ctl.config.plan.hysteresis
         if classes.single or ledger.current_classes != classes or obs.classes != classes:
-            return any(table_goodput(draft.table, obs, b) > table_goodput(ledger.current.table, obs, b) * margin
-                       for b in batches)
+            # With state tables in either plan, both are priced per request state (policies.state_tables).
+            return any(new > old * margin for new, old in (plan_goodputs(draft, ledger.current, obs, b)
+                                                           for b in batches))
         return any(class_plan_estimate(draft, obs, b).better_than(class_plan_estimate(ledger.current, obs, b), margin)
                    for b in batches)
 
@@ -151,11 +163,12 @@ class PlanDesk:
         return msg
 
     def decide(self, state: WorkerState, request_id: str, context_len: int, batch_size: int,
-               request_class: str = "") -> Decision:
+               request_class: str = "", request_state: int = 0) -> Decision:
         """One request's decision from the current plan (planned now if there
         is none yet: it then goes out as version 1 like any other plan), from
         its class's table; a class the plan does not name is the default
-        class, counted."""
+        class, counted. ``request_state`` (``DecideQuery.request_state``)
+        picks the plan's state table for the default class."""
         ledger = state.plans
         override = ledger.sent_overrides.get(request_id)
         if override is not None:
@@ -165,9 +178,13 @@ class PlanDesk:
         classes = ledger.current_classes
         if request_class and not classes.known(request_class):
             state.counters.unknown_class_queries += 1
+        current = ledger.current
         if classes.single:
-            return ledger.current.table.lookup(batch_size, context_len)
-        return ledger.current.table_for(classes.get(request_class).name).lookup(batch_size, context_len)
+            return current.table_for_state(request_state).lookup(batch_size, context_len)
+        name = classes.get(request_class).name
+        if name == classes.default:
+            return current.state_tables.get(request_state, current.table_for(name)).lookup(batch_size, context_len)
+        return current.table_for(name).lookup(batch_size, context_len)
 
     # ----------------------------------------------------------------- in
     def ack(self, state: WorkerState, msg: worker_pb2.Ack) -> plan_pb2.Rejection | None:
@@ -243,11 +260,12 @@ class PlanDesk:
 
 
 def plan_key(draft: PlanDraft, classes: ClassSet) -> tuple:
-    """What makes two plans the same plan: the table, and each class's table and rule."""
+    """What makes two plans the same plan: the table, each class's table and rule, each state's table."""
+    states = tuple(sorted(draft.state_tables.items()))
     if classes.single:
-        return (draft.table,)
+        return (draft.table, states) if states else (draft.table,)
     return (draft.table, classes.default,
-            tuple((c, draft.table_for(c.name)) for c in classes))
+            tuple((c, draft.table_for(c.name)) for c in classes), states)
 
 
 def _applied(ledger: PlanLedger, sent: SentPlan) -> None:

@@ -30,6 +30,7 @@ from controller.core.classes import ClassTracker
 from controller.models.cost import StepCostModel
 from policies.base import DrafterLimits, LoadProfile, PlanDraft
 from policies.classes import SINGLE, ClassSet
+from policies.outcome import STATES
 from protos.speculation.v1 import controller_pb2, worker_pb2
 
 RECENT_STEPS = 512  # steps buffered for the policy between two decide() calls
@@ -79,6 +80,9 @@ class LoadTracker:
     context_sums: list[float] = field(default_factory=list)
     context_share: np.ndarray | None = None
     context_mean: np.ndarray | None = None
+    # Request-steps per request state (policies.outcome) since the last fold, and their smoothed share.
+    state_counts: list[float] = field(default_factory=lambda: [0.0] * len(STATES))
+    state_share: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.context_counts = [0.0] * self.buckets
@@ -96,7 +100,12 @@ class LoadTracker:
         return 1000.0 * self.tokens_ema / self.step_ms_ema if self.step_ms_ema > 0 else 0.0
 
     def fold(self) -> None:
-        """Blend the context mix seen since the last fold into the smoothed one."""
+        """Blend the context mix and the request-state mix seen since the last fold into the smoothed ones."""
+        states = np.asarray(self.state_counts)
+        if states.sum() > 0:
+            share = states / states.sum()
+            self.state_share = share if self.state_share is None else 0.7 * self.state_share + 0.3 * share
+            self.state_counts = [0.0] * len(states)
         counts = np.asarray(self.context_counts)
         if counts.sum() <= 0:
             return
@@ -119,6 +128,7 @@ class LoadTracker:
             mean_batch_size=max(self.batch_ema, 1.0),
             context_share=tuple(self.context_share) if self.context_share is not None else (),
             context_mean=tuple(self.context_mean) if self.context_mean is not None else (),
+            state_share=tuple(self.state_share.tolist()) if self.state_share is not None else (),
         )
 
     def mean_context_len(self) -> float:
@@ -137,6 +147,8 @@ class RequestTracker:
     drafted_through: dict[str, int] = field(default_factory=dict)
     # Request id -> its class (resolved: unknown names are the default class), for active ones.
     request_class: dict[str, str] = field(default_factory=dict)
+    # Request id -> the request state its last step left it in (policies.outcome), for active ones.
+    last_outcome: dict[str, int] = field(default_factory=dict)
     finished_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     recent_finished: deque = field(default_factory=lambda: deque(maxlen=RECENT_FINISHED))
@@ -145,6 +157,7 @@ class RequestTracker:
         del self.active[request_id]
         self.drafted_through.pop(request_id, None)
         self.request_class.pop(request_id, None)
+        self.last_outcome.pop(request_id, None)
         self.finished_ids[request_id] = None
         while len(self.finished_ids) > FINISHED_IDS:
             self.finished_ids.popitem(last=False)

@@ -129,9 +129,11 @@ class AcceptanceDriftMonitor:
         offered to ``arbiter.claim(alert)``, which returns the alert to
         attach to the stratum (the same one, perhaps renamed with a
         fleet-wide id: announced as opened; another replica's open alert on
-        that stratum: attached quietly) or None (not now: the stratum stays
-        free and the arbiter may hand the finding back later through
-        :meth:`open_claimed`); and an alert is resolved only when
+        that stratum: attached quietly) or None (not now: the stratum waits,
+        out of the CUSUMs and chi-square rounds as if alerted, until the
+        arbiter hands the finding back through :meth:`open_claimed`, attaches
+        another alert through :meth:`adopt`, or drops it through
+        :meth:`withdraw`); and an alert is resolved only when
         ``arbiter.may_resolve(alert)`` (the replica that owns it), else kept
         and asked again at the stratum's next window. ``None``: one
         controller decides alone.
@@ -245,7 +247,7 @@ class AcceptanceDriftMonitor:
         us = s.score(key)
         s.window_llr += us[self._small]  # resolution listens to the most sensitive CUSUM's evidence
         s.recent.append((now, key))
-        if not s.beyond and s.alert is None:
+        if not s.beyond and s.alert is None and s.deferred is None:
             joins = s.joins
             for j, cusum in enumerate(v.cusums):
                 if cusum is None or not joins[j]:
@@ -272,7 +274,7 @@ class AcceptanceDriftMonitor:
         cusum = v.cusums[j]
         contributions = []
         for s in v.strata.values():
-            if s.weights is None or s.beyond or s.alert is not None or not s.joins[j]:
+            if s.weights is None or s.beyond or s.alert is not None or s.deferred is not None or not s.joins[j]:
                 continue
             c = s.cum_llr[j] - s.anchor[j] if s.anchor_epoch[j] == v.epoch[j] else 0.0
             contributions.append((c, s))
@@ -310,6 +312,8 @@ class AcceptanceDriftMonitor:
                 s.alert = None
                 s.quiet = 0
                 s.anchor_epoch = [-1] * len(s.anchor_epoch)
+        elif s.deferred is not None:
+            s.held = None  # its finding awaits the arbiter: a window suspected of drift never joins the baseline
         else:
             self._pending.append(PendingTest(s, chi2.statistic, chi2.df, chi2.p_value, chi2.last_window, s.win_start))
             # Not "no evidence of a drop in this window": that would keep the high windows
@@ -319,7 +323,8 @@ class AcceptanceDriftMonitor:
         s.window_llr = 0.0
 
     def _round(self, now: float) -> None:
-        pending = [p for p in self._pending if p.stratum.alert is None and p.stratum.version.key in self._versions]
+        pending = [p for p in self._pending if p.stratum.alert is None and p.stratum.deferred is None
+                   and p.stratum.version.key in self._versions]
         self._pending = []
         if not pending:
             return
@@ -327,7 +332,7 @@ class AcceptanceDriftMonitor:
         event = f"drift-{self._next_id:06d}"
         for p, rej, adj in zip(pending, reject, adjusted):
             s = p.stratum
-            if not rej or s.alert is not None:
+            if not rej or s.alert is not None or s.deferred is not None:
                 continue
             delta = tau_change(s, p.counts)
             action = choose_action(delta, self.config.retrain_threshold, s.beyond)
@@ -342,6 +347,10 @@ class AcceptanceDriftMonitor:
                               first_seen, now, extra, self.config.retrain_threshold)
         claimed = self._claim(alert)
         if claimed is None:
+            # Not granted yet: the stratum leaves the CUSUMs as if alerted. Left in, its drift would fire the
+            # bank again at every step until the arbiter answers, and each firing would name, by noise, the
+            # quiet strata whose evidence crosses ``localize_llr`` in one of those many tries.
+            s.deferred = alert
             return
         s.alert = claimed
         s.quiet = 0
@@ -451,6 +460,21 @@ class AcceptanceDriftMonitor:
         if v is not None:
             self._retire(v, self.clock() if now is None else now, why)
 
+    def worker_left(self, worker_id: str, kind: str, version: str, successor: str, now: float | None = None) -> None:
+        """``worker_id`` ran ``kind/version`` and now runs ``successor`` (``kind/version``), whose outcomes this
+        monitor may never see (several replicas: another one watches it). As when :meth:`observe_request`
+        sees a worker change versions, the old version retires once no worker runs it."""
+        key = (kind, version)
+        if self._workers.get(worker_id) == key:
+            del self._workers[worker_id]
+        v = self._versions.get(key)
+        if v is None or worker_id not in v.workers:
+            return
+        v.workers.discard(worker_id)
+        if not v.workers:
+            self._retire(v, self.clock() if now is None else now, f"superseded by {successor}")
+            del self._versions[key]
+
     def _retire(self, v: Version, now: float, why: str) -> None:
         # With an arbiter, an alert another replica owns is only let go here: the version left this
         # replica's workers, not necessarily the fleet's.
@@ -487,6 +511,7 @@ class AcceptanceDriftMonitor:
             if s is None or s.weights is None or (s.alert is not None and s.alert.id != alert.id):
                 return False
             s.alert = alert
+            s.deferred = None  # the alert stands for the finding that waited
             s.quiet = 0
         self.alerts[alert.id] = alert
         number = alert.id.rpartition("-")[2]
@@ -500,6 +525,20 @@ class AcceptanceDriftMonitor:
         if not alert.is_open or not self.adopt(alert):
             return False
         self._publish("opened", alert)
+        return True
+
+    def withdraw(self, finding: DriftAlert) -> bool:
+        """The arbiter drops a finding it deferred (not granted in time, or its version moved elsewhere): the
+        finding's stratum rejoins the CUSUMs and the chi-square rounds with fresh evidence. True if one waited."""
+        v = self._versions.get((finding.drafter_kind, finding.drafter_version))
+        if v is None or finding.detector == "context_share":
+            return False
+        bucket = max(bisect_right(self.config.context_edges, finding.context_len_min) - 1, 0)
+        s = v.strata.get((bucket, finding.domain))
+        if s is None or s.deferred is None:
+            return False
+        s.deferred = None
+        s.anchor_epoch = [-1] * len(s.anchor_epoch)
         return True
 
     def detach(self, alert_id: str, resolved: DriftAlert | None = None) -> bool:

@@ -80,7 +80,7 @@ class Stratum:
 
     __slots__ = ("version", "bucket", "domain", "lo", "hi", "beyond", "chi2", "weights", "scores", "cum_llr",
                  "anchor", "anchor_epoch", "alert", "quiet", "window_llr", "n_seen", "win_start", "label",
-                 "recent", "held", "fitted", "joins")
+                 "recent", "held", "fitted", "joins", "deferred")
 
     def __init__(self, version: "Version", bucket: int, domain: str, config: MonitorConfig, seed: int) -> None:
         edges = config.context_edges
@@ -105,6 +105,9 @@ class Stratum:
         self.anchor = [0.0] * n
         self.anchor_epoch = [-1] * n
         self.alert: DriftAlert | None = None
+        # A finding the arbiter (several replicas) has not granted yet: the stratum stays out of the CUSUMs and
+        # the chi-square rounds until it is opened, attached to another alert, or withdrawn.
+        self.deferred: DriftAlert | None = None
         self.quiet = 0
         self.window_llr = 0.0
         self.n_seen = 0

@@ -8,7 +8,9 @@ wires them into the controller (docs/operations.md, "Several replicas").
   idempotent deltas into fleet totals;
 * :mod:`~controller.fleet.cost_priors` — fitted step-cost parameters per
   accelerator × model, a new worker's starting point;
-* :mod:`~controller.fleet.leases` — one holder per drift stratum;
+* :mod:`~controller.fleet.leases` — one holder per drift stratum (and per drafter version's monitor);
+* :mod:`~controller.fleet.drift_stream` / :mod:`~controller.fleet.drift_owner` — one drift monitor
+  per drafter version fleet-wide: its evidence stream, its owner, its handover;
 * :mod:`~controller.fleet.alert_log` — alert events and state every replica
   reads and follows;
 * :mod:`~controller.fleet.bus` — policy reloads reaching every replica;

@@ -1,7 +1,9 @@
 """Drift alerts of several replicas: one alert per stratum fleet-wide, every replica sees all of them.
 
-Each replica runs its own drift monitor on its own workers' request-steps
-(``controller.alerts.alerting``). :class:`FleetAlerts` is that monitor's
+Each replica's drift monitor runs the drafter versions whose monitor lease
+it holds, fed by every replica (:mod:`controller.fleet.drift_owner`; with
+``state.drift_monitor: replica``, its own workers' request-steps of every
+version, ``controller.alerts.alerting``). :class:`FleetAlerts` is that monitor's
 ``arbiter`` and the alerting's ``fleet``:
 
 * **One alert per stratum.** A finding (a stratum's CUSUM or chi-square
@@ -183,8 +185,7 @@ class FleetAlerts:
         for name, (alert, give_up_at) in list(self._pending.items()):
             existing = self.open_by_name.get(name)
             if existing is not None and existing.is_open:
-                del self._pending[name]
-                self.leases.drop(name)
+                self._drop_pending(name)
                 self.monitor.adopt(existing)
                 self.counts["attached"] += 1
             elif self.leases.holds(name):
@@ -194,11 +195,35 @@ class FleetAlerts:
                     self._remember(alert)
                     self.counts["opened"] += 1
                 else:  # its stratum moved on meanwhile (resolved, retired)
+                    self.monitor.withdraw(alert)
                     self.leases.drop(name)
             elif now >= give_up_at:
-                del self._pending[name]
-                self.leases.drop(name)
+                self._drop_pending(name)
                 self.counts["deferred_dropped"] += 1
+
+    def _drop_pending(self, name: str) -> None:
+        """Forget a deferred finding: its stratum, kept out of the monitor's tests while it waited, rejoins them
+        (a caller attaching another alert to it does so after this)."""
+        alert, _ = self._pending.pop(name)
+        self.leases.drop(name)
+        self.monitor.withdraw(alert)
+
+    # ------------------------------------------- a version's monitor moving
+    def open_alerts_of(self, kind: str, version: str) -> list[DriftAlert]:
+        """The fleet's open alerts on a drafter version, as seen here (the monitor that takes the version
+        over attaches them to its strata)."""
+        return [a for a in self.open_by_name.values()
+                if a.is_open and a.drafter_kind == kind and a.drafter_version == version]
+
+    def release_version(self, kind: str, version: str) -> None:
+        """This replica no longer runs the version's monitor (:mod:`controller.fleet.drift_owner`): let go of
+        its strata's leases and findings, so the replica that runs it now can open and resolve its alerts."""
+        prefix = f"{kind}/{version}/"
+        for name in [n for n in self.open_by_name if n.startswith(prefix)]:
+            self.leases.drop(name)
+        for name in [n for n in self._pending if n.startswith(prefix)]:
+            self._drop_pending(name)
+        self.wake()
 
     # ---------------------------------------------------------- store side
     def record(self, event: str, data: dict[str, Any], at: float) -> None:
@@ -311,8 +336,7 @@ class FleetAlerts:
         if event.event == "opened":
             self._remember(alert)
             if name in self._pending:  # our finding on the same stratum: the holder's alert stands for it
-                del self._pending[name]
-                self.leases.drop(name)
+                self._drop_pending(name)
             self.monitor.adopt(alert)
         elif event.event == "resolved":
             current = self.open_by_name.get(name)

@@ -26,7 +26,12 @@ the policy file watcher and the drift alerting, and runs their loops:
   other replicas' reloads are applied through the same validation
   (:class:`~controller.fleet.bus.PolicyBus`);
 * **drift alerts** — :class:`~controller.fleet.alerts.FleetAlerts` (leases,
-  fleet-wide ids, the alert log and its feed).
+  fleet-wide ids, the alert log and its feed);
+* **drift monitors** — one per drafter version fleet-wide
+  (:class:`~controller.fleet.drift_owner.FleetDriftMonitor`, unless
+  ``state.drift_monitor: replica``): every ``drift_interval_s`` the sampled
+  outcomes go to the versions' streams, the owner reads its versions' and
+  checkpoints them.
 
 Never on the hot path: Hello, disconnect, ingest and plan pushes only touch
 local tables; every Redis round trip runs on the store's threads
@@ -50,6 +55,7 @@ from controller.fleet.alerts import FleetAlerts
 from controller.fleet.bus import PolicyBus, apply_policy_text
 from controller.fleet.cost_priors import CostPriorBook
 from controller.fleet.directory import Directory, FleetView
+from controller.fleet.drift_owner import FleetDriftMonitor
 from controller.fleet.settings import StateSettings
 from controller.fleet.store import FleetStore, StoreUnavailable
 from controller.models.cost import CostParams
@@ -142,10 +148,12 @@ class FleetReplica:
         self.store = FleetStore(settings.url, fleet=settings.fleet, replica_id=settings.replica_id,
                                 op_timeout_s=settings.op_timeout_s, connect_timeout_s=settings.connect_timeout_s)
         self.replica_id = self.store.replica_id
-        self.sync = AcceptanceSync(controller.acceptance, self.store, stratum_ttl_s=settings.stratum_ttl_s,
-                                   seed_grace_s=settings.seed_grace_s)
-        self.sync_typical = AcceptanceSync(controller.acceptance_typical, self.store, namespace="acct",
-                                           stratum_ttl_s=settings.stratum_ttl_s, seed_grace_s=settings.seed_grace_s)
+        # Open fleet ticks are rolled by the controller's clock; a fleet view not refreshed for three merge
+        # rounds (at least 3 s) gives way to the local model (acceptance_sync, Faults).
+        shared = dict(stratum_ttl_s=settings.stratum_ttl_s, seed_grace_s=settings.seed_grace_s,
+                      model_clock=controller.clock, view_ttl_s=max(3.0, 3.0 * settings.merge_interval_s))
+        self.sync = AcceptanceSync(controller.acceptance, self.store, **shared)
+        self.sync_typical = AcceptanceSync(controller.acceptance_typical, self.store, namespace="acct", **shared)
         self.costs = CostPriorBook(self.store)
         self.directory = Directory(self.store, address, ttl_s=settings.replica_ttl_s)
         self.bus = PolicyBus(self.store, self._from_bus_thread, adopt_current=False)
@@ -164,8 +172,15 @@ class FleetReplica:
         self._merge = _Periodic(settings.merge_interval_s, self._merge_round, "acceptance")
         self._heartbeat = _Periodic(settings.heartbeat_interval_s, self._heartbeat_round, "heartbeat")
         self.alerts: FleetAlerts | None = None
+        self.drift: FleetDriftMonitor | None = None  # one drift monitor per drafter version, fleet-wide
         if alerting is not None:
             self.alerts = FleetAlerts(self.store, alerting, lease_ttl_s=settings.lease_ttl_s, wake=self._wake_alerts)
+            if settings.drift_monitor == "fleet":
+                self.drift = FleetDriftMonitor(
+                    self.store, alerting, self.alerts, lease_ttl_s=settings.lease_ttl_s,
+                    checkpoint_interval_s=settings.drift_checkpoint_interval_s, maxlen=settings.drift_stream_maxlen,
+                    max_buffered=5 * alerting.feed.max_buffered, checkpoint_ttl_s=settings.stratum_ttl_s)
+                self._drift_round = _Periodic(settings.drift_interval_s, self.drift.run_round, "drift monitors")
             self._leases = _Periodic(settings.lease_ttl_s / 3.0, self._lease_round, "leases")
             self._alert_flush = _Periodic(settings.heartbeat_interval_s, self._alert_flush_round, "alert log")
         controller.on_hello.append(self._on_hello)
@@ -176,6 +191,8 @@ class FleetReplica:
             policy_source.on_reload.append(self._publish_policy)
         if self.alerts is not None:
             self.alerts.attach()
+        if self.drift is not None:
+            self.drift.attach()
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "FleetReplica":
@@ -186,6 +203,8 @@ class FleetReplica:
         if self.alerts is not None:
             self.alerts.start(self._loop)
             loops += [self._leases, self._alert_flush]
+        if self.drift is not None:
+            loops.append(self._drift_round)
         self._tasks = [asyncio.create_task(p.run(), name=f"fleet-{p.name}") for p in loops]
         self._heartbeat.wake()  # join the directory and read the fleet's alerts now, not in a heartbeat
         log.info("replica %s sharing state in %s (fleet %s)", self.replica_id, self.store.health()["url"],
@@ -211,6 +230,8 @@ class FleetReplica:
         if not await self._sync_round(self.sync, None, timeout_s):
             log.warning("replica %s: last merge failed (%s); its unmerged evidence is lost to the fleet",
                         self.replica_id, self.store.health()["last_error"])
+        if self.drift is not None:  # what the alerting's last drain forwarded, a last checkpoint, the leases
+            await self.drift.close(timeout_s)
         steps = ([self.alerts.log.flush] if self.alerts is not None else []) + [self.directory.leave]
         for step in steps:
             try:
@@ -403,6 +424,7 @@ class FleetReplica:
             "alert_events_queued": self.alerts.log.queued() if self.alerts is not None else 0,
             "counts": dict(self.counts), "costs": self.costs.stats(),
             "alerts": self.alerts.stats() if self.alerts is not None else None,
+            "drift": self.drift.stats() if self.drift is not None else None,
             "bus": {"counts": dict(self.bus.counts), "applied_version": self.bus.applied_version,
                     "subscribed": self.bus.subscribed.is_set()},
         }
@@ -427,7 +449,13 @@ class FleetReplica:
             unmerged_evidence=sync["unmerged_evidence"], since_merge_s=-1.0 if since is None else since,
             merges=status["merges"], live_replicas=status["live_replicas"], leases_held=status["leases_held"],
             alert_events_queued=status["alert_events_queued"],
-            first_plans_held=status["counts"].get("first_plans_held", 0)))
+            first_plans_held=status["counts"].get("first_plans_held", 0),
+            drift_evidence_dropped=status["drift"]["outbox"]["counts"].get("dropped", 0) if status["drift"] else 0))
+        for d in status["drift"]["versions"] if status["drift"] else ():
+            out.drift_monitors.add(drafter_kind=d["drafter_kind"], drafter_version=d["drafter_version"],
+                                   owner_replica_id=d["owner"], owned_here=d["owned_here"],
+                                   evidence_lag=d["evidence_lag"], evidence_queued=d["evidence_queued"],
+                                   entries_lost=d["entries_lost"], checkpoint_age_s=d["checkpoint_age_s"])
         live = view.live if view is not None else frozenset()
         if view is not None:
             for replica, info in sorted(view.info.items()):

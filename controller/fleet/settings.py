@@ -55,7 +55,14 @@ class StateSettings(BaseModel):
     merge_interval_s: float = Field(1.0, gt=0, le=60, description="acceptance deltas pushed and totals read this often")
     heartbeat_interval_s: float = Field(2.0, gt=0, le=60, description="directory heartbeat and assignment sync")
     replica_ttl_s: float = Field(10.0, gt=0, le=600, description="a replica silent this long is dropped")
-    lease_ttl_s: float = Field(10.0, gt=0, le=600, description="drift-alert lease per stratum")
+    lease_ttl_s: float = Field(10.0, gt=0, le=600, description=(
+        "drift-alert lease per stratum, drift-monitor lease per drafter version"))
+    drift_monitor: Literal["fleet", "replica"] = Field("replica", description=(
+        "replica (default): one drift monitor per replica; fleet: one per drafter version, fed every replica's "
+        "outcomes (opt-in until its sampling adapts to the owner's budget: docs/operations.md)"))
+    drift_interval_s: float = Field(0.5, gt=0, le=60, description="drift evidence sent and read this often")
+    drift_checkpoint_interval_s: float = Field(5.0, gt=0, le=600, description="a version's monitor saved this often")
+    drift_stream_maxlen: int = Field(2_000, ge=100, description="entries kept per version's evidence stream")
     stratum_ttl_s: float = Field(7 * 86400.0, gt=0, description="a stratum nobody pushes to expires after this")
     seed_grace_s: float = Field(3.0, ge=0, le=600, description=(
         "a replica that never synced waits this long for a synced one to re-seed a store that lost its data"))

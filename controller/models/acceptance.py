@@ -36,13 +36,16 @@ alike — and cells with no data since the reference moved by more than
 probes re-test them soon. Well-tested cells follow their own data.
 
 Several controller replicas share one fleet posterior per stratum
-(:mod:`controller.fleet.acceptance_sync`). A posterior then carries a
-:class:`ShareLedger`: at every :meth:`StratumPosterior.decay` the evidence
-this replica added since the last one is folded into the ledger's pending
-delta (decayed like everything else), the carry's move of old evidence is
-kept apart as a local adjustment, and :meth:`StratumPosterior.install_shared`
-replaces the posterior by the fleet totals plus what is still only local.
-Without a ledger nothing of this runs.
+(:mod:`controller.fleet.acceptance_sync`). The fleet rolls the replicas'
+evidence with this module's own arithmetic (:func:`roll_cells`: the carry,
+the decay and the cap of one tick, ported to the merge script), so the
+fleet's settled posterior is what one model fed every replica's steps holds.
+A shared posterior then carries a :class:`ShareLedger` (this replica's
+evidence not yet pushed) and, while the fleet answers, a *fleet view*: the
+settled fleet posterior it plans from (:meth:`StratumPosterior.install_fleet`).
+Its own arrays stay the local model — the fleet's state plus this replica's
+unmerged evidence — which it plans from only when the view has gone stale
+(the fleet store unreachable). Without a ledger nothing of this runs.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ IDLE_CATCH_UP_S = 5.0  # fleet totals this far ahead of a posterior's last decay
 
 
 class ShareLedger:
-    """What one stratum's posterior holds beyond the fleet totals it last installed.
+    """What one stratum's posterior holds beyond the fleet state it last installed.
 
     Every array is flat (``depth × width``) and decayed to the posterior's
     ``updated_at``, like its own evidence.
@@ -84,23 +87,18 @@ class ShareLedger:
     pending_succ, pending_fail, pending_asked, pending_offered : np.ndarray
         Evidence this replica's workers added since the last
         :meth:`take_pending` (the delta the next merge pushes). Never
-        capped: the cap applies once, to the fleet totals.
-    carry_succ, carry_fail : np.ndarray
-        Signed sum of the carry's moves of old evidence (module docstring).
-        Each replica computes the carry from the same fleet view, so it is
-        kept local, never pushed (pushed, it would count once per replica),
-        and laid over the fleet totals at every install.
+        capped: the fleet's roll caps the sum of every replica's deltas.
     external_succ, external_fail : np.ndarray
         Fleet evidence an install put among the fresh evidence since the last
-        decay: fresh to the carry's rules (other replicas just tested those
-        cells) but not this replica's to push.
+        decay (the fleet's open tick and this replica's pending delta): not
+        this replica's to push again.
     old_asked, old_offered : np.ndarray
         Offer counts right after the last decay or install, so that the
         next decay can tell the offers added since.
     """
 
-    __slots__ = ("pending_succ", "pending_fail", "pending_asked", "pending_offered", "carry_succ", "carry_fail",
-                 "external_succ", "external_fail", "old_asked", "old_offered")
+    __slots__ = ("pending_succ", "pending_fail", "pending_asked", "pending_offered", "external_succ",
+                 "external_fail", "old_asked", "old_offered")
 
     def __init__(self, cells: int) -> None:
         for name in self.__slots__:
@@ -119,11 +117,121 @@ class ShareLedger:
         return out
 
 
+@dataclass(frozen=True)
+class CellRoll:
+    """One tick of a stratum's cells (:func:`roll_cells`); arrays flat."""
+
+    succ: np.ndarray
+    fail: np.ndarray
+    asked: np.ndarray
+    offered: np.ndarray
+    anchor: np.ndarray  # reference stick mean when each cell last had data (NaN: never)
+    carried: float  # reference stick mean at the last carry
+    scale: np.ndarray  # what the cap multiplied succ and fail by, per cell (1: not binding)
+    scale_asked: np.ndarray  # the same for asked and offered
+
+
+def roll_cells(old_s: np.ndarray, old_f: np.ndarray, new_s: np.ndarray, new_f: np.ndarray, asked: np.ndarray,
+               offered: np.ndarray, factor: float, prior_a: np.ndarray, prior_b: np.ndarray, anchor: np.ndarray,
+               carried: float, max_evidence: float) -> CellRoll:
+    """One tick: the carry moves mostly-old cells (module docstring), then
+    everything decays by ``factor`` and each cell is capped at ``max_evidence``.
+
+    Parameters
+    ----------
+    old_s, old_f : np.ndarray
+        Evidence after the last tick (flat).
+    new_s, new_f : np.ndarray
+        Evidence added since, undecayed.
+    asked, offered : np.ndarray
+        Offer counts (old and new together).
+    factor : float
+        Decay since the last tick.
+    prior_a, prior_b : np.ndarray
+        The Beta prior (flat).
+    anchor, carried
+        Carry state of the last tick (not modified).
+    max_evidence : float
+
+    Notes
+    -----
+    The single source of a tick's arithmetic: :meth:`StratumPosterior.decay`
+    calls it, and the fleet's merge script
+    (:data:`controller.fleet.acceptance_sync.MERGE_LUA`, ``roll``) is a line
+    by line port, checked against it by the tests.
+    """
+    anchor = anchor.copy()
+    a, b = prior_a, prior_b
+    succ0, fail0 = old_s[0] + new_s[0], old_f[0] + new_f[0]
+    reference = (a[0] + succ0) / (a[0] + b[0] + succ0 + fail0)
+    fresh = new_s + new_f
+    anchor[fresh > 0] = reference
+    if not carried == carried:  # NaN: first tick
+        carried = reference
+    ratio = reference / carried
+    if abs(ratio - 1.0) > CARRY_CHANGE:
+        old_n = old_s + old_f
+        follow = (old_n > 0) & (fresh < CARRY_FRESH * old_n)
+        follow[0] = False  # the reference itself
+        n = a + b + old_n
+        target = np.clip((a + old_s) / n * ratio, 0.005, 0.995)
+        moved = np.clip(target * n - a, 0.0, old_n)  # same evidence, mean moved: (a + s') / n = target
+        old_s = np.where(follow, moved, old_s)
+        old_f = np.where(follow, old_n - moved, old_f)
+        with np.errstate(invalid="ignore"):  # NaN anchor: a cell that never had data keeps its prior
+            drifted = np.abs(reference / anchor - 1.0) > STALE_CHANGE
+        stale = (fresh == 0) & (old_n > STALE_EVIDENCE) & drifted
+        # The reference cell moves only with its own data in one model; a model whose evidence is
+        # replaced from outside (a replica installing fleet totals) must never take it for stale.
+        stale[0] = False
+        shrink = np.where(stale, STALE_EVIDENCE / np.maximum(old_n, 1e-12), 1.0)
+        old_s, old_f = old_s * shrink, old_f * shrink
+        carried = reference
+    succ, fail = (old_s + new_s) * factor, (old_f + new_f) * factor
+    asked, offered = asked * factor, offered * factor
+    scale_asked = np.where(asked > max_evidence, max_evidence / np.maximum(asked, 1e-12), 1.0)
+    total = succ + fail
+    scale = np.where(total > max_evidence, max_evidence / np.maximum(total, 1e-12), 1.0)
+    return CellRoll(succ * scale, fail * scale, asked * scale_asked, offered * scale_asked, anchor, float(carried),
+                    scale, scale_asked)
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """One stratum as the fleet store holds it (``controller.fleet.acceptance_sync``); arrays flat,
+    ``depth × width``.
+
+    The *settled* part is every replica's evidence through fleet tick
+    ``settled_tick``, rolled (:func:`roll_cells`) to ``settled_at``; the
+    *open* part is the deltas pushed for a later tick, summed and decayed to
+    ``open_at``, not rolled yet.
+    """
+
+    depth: int
+    width: int
+    settled_at: float | None  # None: nothing rolled yet
+    settled_tick: int | None
+    succ: np.ndarray
+    fail: np.ndarray
+    asked: np.ndarray
+    offered: np.ndarray
+    scale: np.ndarray  # the last roll's cap factors (a late delta joins through them)
+    scale_asked: np.ndarray
+    anchor: np.ndarray  # NaN: the cell never had data
+    carried: float  # NaN: no tick yet
+    open_at: float | None  # None: nothing open
+    open_tick: int | None
+    open_succ: np.ndarray
+    open_fail: np.ndarray
+    open_asked: np.ndarray
+    open_offered: np.ndarray
+
+
 class StratumPosterior:
     """Posterior of one stratum: ``depth × width`` stick-breaking Beta cells."""
 
     __slots__ = ("prior_a", "prior_b", "succ", "fail", "max_depth", "max_width", "updated_at", "observations",
-                 "_old_succ", "_old_fail", "_anchor", "_carried", "asked", "offered", "ledger")
+                 "_old_succ", "_old_fail", "_anchor", "_carried", "asked", "offered", "ledger", "view", "view_until")
 
     def __init__(self, max_depth: int, max_width: int, prior: AcceptancePrior, now: float | None) -> None:
         self.max_depth = max_depth
@@ -150,6 +258,10 @@ class StratumPosterior:
         self.asked = [0.0] * cells
         self.offered = [0.0] * cells
         self.ledger: ShareLedger | None = None  # set when the model is shared with a fleet
+        # The fleet's settled posterior (flat succ, fail, asked, offered at updated_at) this posterior plans
+        # from while the fleet answers (install_fleet), and the time after which it is stale.
+        self.view: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.view_until = float("-inf")
 
     def observe(self, accepted_rank: Sequence[int], level_candidates: Sequence[int]) -> None:
         """Add one request-step's per-position outcome (validated upstream):
@@ -184,7 +296,8 @@ class StratumPosterior:
 
     def offer_rate(self) -> float:
         """P(the drafter offers a draft | the decision asks for one)."""
-        return (self.offered[0] + 1.0) / (self.asked[0] + 1.0)
+        _, _, asked, offered = self.planning_arrays()
+        return float((offered[0] + 1.0) / (asked[0] + 1.0))
 
     def offer_probs(self) -> np.ndarray:  # [depth, width]
         """P(the drafter offers a rank-``r`` candidate at level ``k`` | the
@@ -193,160 +306,155 @@ class StratumPosterior:
         asked about (and every cell past level 1 rank 1 of a worker that
         does not report the width it asked for) stays at 1, but no rank is
         offered more often than the rank above it."""
-        asked = np.asarray(self.asked).reshape(self.max_depth, self.max_width)
-        offered = np.asarray(self.offered).reshape(self.max_depth, self.max_width)
+        _, _, asked, offered = self.planning_arrays()
+        asked, offered = asked.reshape(self.max_depth, self.max_width), offered.reshape(self.max_depth, self.max_width)
         return np.minimum.accumulate((offered + 1.0) / (asked + 1.0), axis=1)
 
     def decay(self, now: float, half_life_s: float, max_evidence: float) -> None:
         """Forget old evidence: mostly-old cells follow the reference (module
         docstring), then everything decays exponentially in time and each
-        cell is capped."""
+        cell is capped (:func:`roll_cells`)."""
         dt = 0.0 if self.updated_at is None else now - self.updated_at
         factor = 0.5 ** (dt / half_life_s) if dt > 0 and half_life_s > 0 else 1.0
         self.updated_at = now if self.updated_at is None else max(self.updated_at, now)
         old_s, old_f = self._old_succ, self._old_fail
         new_s = np.maximum(np.asarray(self.succ) - old_s, 0.0)
         new_f = np.maximum(np.asarray(self.fail) - old_f, 0.0)
-        a, b = self.prior_a.ravel(), self.prior_b.ravel()
-        succ0, fail0 = old_s[0] + new_s[0], old_f[0] + new_f[0]
-        reference = (a[0] + succ0) / (a[0] + b[0] + succ0 + fail0)
-        fresh = new_s + new_f
-        self._anchor[fresh > 0] = reference
-        if not self._carried == self._carried:  # NaN: first tick
-            self._carried = reference
-        before_s, before_f = old_s, old_f  # the carry below may move old evidence: the ledger keeps the move
-        ratio = reference / self._carried
-        if abs(ratio - 1.0) > CARRY_CHANGE:
-            old_n = old_s + old_f
-            follow = (old_n > 0) & (fresh < CARRY_FRESH * old_n)
-            follow[0] = False  # the reference itself
-            n = a + b + old_n
-            target = np.clip((a + old_s) / n * ratio, 0.005, 0.995)
-            moved = np.clip(target * n - a, 0.0, old_n)  # same evidence, mean moved: (a + s') / n = target
-            old_s = np.where(follow, moved, old_s)
-            old_f = np.where(follow, old_n - moved, old_f)
-            with np.errstate(invalid="ignore"):  # NaN anchor: a cell that never had data keeps its prior
-                drifted = np.abs(reference / self._anchor - 1.0) > STALE_CHANGE
-                stale = (fresh == 0) & (old_n > STALE_EVIDENCE) & drifted
-            shrink = np.where(stale, STALE_EVIDENCE / np.maximum(old_n, 1e-12), 1.0)
-            old_s, old_f = old_s * shrink, old_f * shrink
-            self._carried = reference
-        succ, fail = (old_s + new_s) * factor, (old_f + new_f) * factor
         raw_asked, raw_offered = np.asarray(self.asked), np.asarray(self.offered)
         ledger = self.ledger
         if ledger is not None:
-            self._fold_ledger(ledger, new_s, new_f, old_s - before_s, old_f - before_f, raw_asked, raw_offered,
-                              factor)
-        asked, offered = raw_asked * factor, raw_offered * factor
-        cap = np.where(asked > max_evidence, max_evidence / np.maximum(asked, 1e-12), 1.0)
-        asked, offered = asked * cap, offered * cap
-        self.asked, self.offered = asked.tolist(), offered.tolist()
+            self._fold_ledger(ledger, new_s, new_f, raw_asked, raw_offered, factor)
+            if self.view is not None:
+                if self.updated_at > self.view_until:  # the fleet has not answered for a while: plan locally
+                    self.view = None
+                else:
+                    self.view = tuple(x * factor for x in self.view)
+        rolled = roll_cells(old_s, old_f, new_s, new_f, raw_asked, raw_offered, factor, self.prior_a.ravel(),
+                            self.prior_b.ravel(), self._anchor, self._carried, max_evidence)
+        self._anchor, self._carried = rolled.anchor, rolled.carried
+        self.asked, self.offered = rolled.asked.tolist(), rolled.offered.tolist()
         if ledger is not None:
-            ledger.old_asked, ledger.old_offered = asked, offered
-        total = succ + fail
-        cap = np.where(total > max_evidence, max_evidence / np.maximum(total, 1e-12), 1.0)
-        succ, fail = succ * cap, fail * cap
-        if ledger is not None:
-            # Carried evidence is old evidence: the cap thins it like the rest of the cell.
-            ledger.carry_succ, ledger.carry_fail = ledger.carry_succ * cap, ledger.carry_fail * cap
-        self._old_succ, self._old_fail = succ, fail
-        self.succ, self.fail = succ.tolist(), fail.tolist()
+            ledger.old_asked, ledger.old_offered = rolled.asked, rolled.offered
+        self._old_succ, self._old_fail = rolled.succ, rolled.fail
+        self.succ, self.fail = rolled.succ.tolist(), rolled.fail.tolist()
 
     @staticmethod
-    def _fold_ledger(ledger: ShareLedger, new_s: np.ndarray, new_f: np.ndarray, moved_s: np.ndarray,
-                     moved_f: np.ndarray, asked: np.ndarray, offered: np.ndarray, factor: float) -> None:
+    def _fold_ledger(ledger: ShareLedger, new_s: np.ndarray, new_f: np.ndarray, asked: np.ndarray,
+                     offered: np.ndarray, factor: float) -> None:
         """At a decay: this replica's fresh evidence joins the pending delta
-        (fleet evidence an install marked fresh is not its to push), the
-        carry's move joins the local adjustment, and both decay as the
-        posterior does."""
+        (fleet evidence an install marked fresh is not its to push), and it
+        decays as the posterior does."""
         own_s = np.maximum(new_s - ledger.external_succ, 0.0)
         own_f = np.maximum(new_f - ledger.external_fail, 0.0)
         ledger.pending_succ = (ledger.pending_succ + own_s) * factor
         ledger.pending_fail = (ledger.pending_fail + own_f) * factor
         ledger.pending_asked = (ledger.pending_asked + np.maximum(asked - ledger.old_asked, 0.0)) * factor
         ledger.pending_offered = (ledger.pending_offered + np.maximum(offered - ledger.old_offered, 0.0)) * factor
-        ledger.carry_succ = (ledger.carry_succ + moved_s) * factor
-        ledger.carry_fail = (ledger.carry_fail + moved_f) * factor
         ledger.external_succ = np.zeros_like(new_s)
         ledger.external_fail = np.zeros_like(new_f)
 
-    def install_shared(self, succ: np.ndarray, fail: np.ndarray, asked: np.ndarray, offered: np.ndarray,
-                       at: float, half_life_s: float, max_evidence: float) -> None:
-        """Plan from the fleet: fleet totals plus this replica's evidence not yet in them.
+    def install_fleet(self, fleet: FleetSnapshot, half_life_s: float, max_evidence: float,
+                      view_ttl_s: float) -> None:
+        """Plan from the fleet's settled posterior; keep the local model at the fleet's state plus this
+        replica's unmerged evidence.
 
         Parameters
         ----------
-        succ, fail, asked, offered : np.ndarray
-            The fleet totals, ``[depth, width]`` of the fleet's shape (cut
-            or padded with zeros to this posterior's).
-        at : float
-            The time the totals are decayed to; they are brought to this
-            posterior's ``updated_at`` (after decaying the posterior to
-            ``at`` when it lags by more than :data:`IDLE_CATCH_UP_S`).
+        fleet : FleetSnapshot
+            The stratum as the fleet holds it (cut or padded with zeros to
+            this posterior's grid). Its times are brought to this
+            posterior's ``updated_at`` (after decaying the posterior there
+            when the fleet is more than :data:`IDLE_CATCH_UP_S` ahead).
         half_life_s, max_evidence : float
-            The model's; the cap applies to the sum as at a decay.
+            The model's.
+        view_ttl_s : float
+            The view is dropped (the posterior plans from its local model)
+            at the first decay more than this after now without another
+            install.
 
         Notes
         -----
-        The target is ``T = cap(fleet + pending + carry)``. The evidence this
-        replica added since its last decay stays fresh on top of ``T``. Of
-        the old evidence, what the fleet adds (other replicas' workers) is
-        placed among the fresh evidence, marked external, and what it takes
-        away (decay and cap differences) comes off the old evidence: the
-        next decay's carry then sees other replicas' tests as fresh, exactly
-        as one model fed every step would.
+        *The view* (what policies read) is the settled posterior alone: the
+        same numbers on every replica, what one model fed every replica's
+        steps held at the fleet's last tick. Not this replica's unsettled
+        evidence on top: without the other replicas' evidence of the same
+        moments it would weigh this replica's workers above their share
+        (``controller.fleet.acceptance_sync``, "What a replica plans from").
+
+        *The local model* (these arrays) becomes settled + open + this
+        replica's pending delta + what its workers added since its last
+        decay; settled is its old evidence and the rest fresh, so its next
+        decay rolls them as the fleet will, and pushes only the part its
+        own workers added. It is what the replica plans from once the view
+        is stale, and its carry state is the fleet's.
         """
         ledger = self.ledger
         if ledger is None:
-            raise RuntimeError("install_shared needs a ShareLedger (AcceptanceModel.share_with_fleet)")
+            raise RuntimeError("install_fleet needs a ShareLedger (AcceptanceModel.share_with_fleet)")
+        times = [t for t in (fleet.settled_at, fleet.open_at) if t is not None]
+        if not times:
+            return
         if self.updated_at is None:
-            self.updated_at = at
-        elif at - self.updated_at > IDLE_CATCH_UP_S:
+            self.updated_at = max(times)
+        elif max(times) - self.updated_at > IDLE_CATCH_UP_S:
             # An idle replica (no steps, no tick) meets totals from far later: decay it there first,
             # or its next tick would decay the fresh totals a second time over the gap.
-            self.decay(at, half_life_s, max_evidence)
-        # Totals a little ahead of this posterior (another replica ticked later) are moved back
-        # to its time, exactly (the decay is exponential), so its next decay brings them forward once.
-        g = 0.5 ** ((self.updated_at - at) / half_life_s)
-        fs, ff, fa, fo = (fit_grid(x, self.max_depth, self.max_width) * g for x in (succ, fail, asked, offered))
-        ts = np.maximum(fs + ledger.pending_succ + ledger.carry_succ, 0.0)
-        tf = np.maximum(ff + ledger.pending_fail + ledger.carry_fail, 0.0)
-        total = ts + tf
-        cap = np.where(total > max_evidence, max_evidence / np.maximum(total, 1e-12), 1.0)
-        ts, tf = ts * cap, tf * cap
-        ta, to = fa + ledger.pending_asked, fo + ledger.pending_offered
-        cap = np.where(ta > max_evidence, max_evidence / np.maximum(ta, 1e-12), 1.0)
-        ta, to = ta * cap, to * cap
-        old_s, old_f = self._old_succ, self._old_fail
-        own_s = np.maximum(np.asarray(self.succ) - old_s - ledger.external_succ, 0.0)
-        own_f = np.maximum(np.asarray(self.fail) - old_f - ledger.external_fail, 0.0)
-        self._old_succ, self._old_fail = np.minimum(ts, old_s), np.minimum(tf, old_f)
-        ledger.external_succ, ledger.external_fail = ts - self._old_succ, tf - self._old_fail
-        self.succ, self.fail = (ts + own_s).tolist(), (tf + own_f).tolist()
+            self.decay(max(times), half_life_s, max_evidence)
+        depth, width = self.max_depth, self.max_width
+
+        def fit(x: np.ndarray, at: float | None) -> np.ndarray:
+            # Totals a little ahead of this posterior (another replica ticked later) are moved back
+            # to its time, exactly (the decay is exponential), so its next decay brings them forward once.
+            if at is None:
+                return np.zeros(depth * width)
+            grid = fit_grid(x.reshape(fleet.depth, fleet.width), depth, width)
+            return grid * 0.5 ** ((self.updated_at - at) / half_life_s)
+
+        ss, sf, sa, so = (fit(x, fleet.settled_at) for x in (fleet.succ, fleet.fail, fleet.asked, fleet.offered))
+        us, uf, ua, uo = (fit(x, fleet.open_at) for x in (fleet.open_succ, fleet.open_fail, fleet.open_asked,
+                                                          fleet.open_offered))
+        if fleet.settled_at is not None:
+            self.view = (ss, sf, sa, so)
+            self.view_until = self.updated_at + view_ttl_s
+            anchor = fit_grid(fleet.anchor.reshape(fleet.depth, fleet.width), depth, width)
+            anchor[anchor == 0.0] = np.nan  # padded cells never had data
+            self._anchor, self._carried = anchor, fleet.carried
+        own_s = np.maximum(np.asarray(self.succ) - self._old_succ - ledger.external_succ, 0.0)
+        own_f = np.maximum(np.asarray(self.fail) - self._old_fail - ledger.external_fail, 0.0)
         own_a = np.maximum(np.asarray(self.asked) - ledger.old_asked, 0.0)
         own_o = np.maximum(np.asarray(self.offered) - ledger.old_offered, 0.0)
-        self.asked, self.offered = (ta + own_a).tolist(), (to + own_o).tolist()
-        ledger.old_asked, ledger.old_offered = ta, to
+        ledger.external_succ, ledger.external_fail = us + ledger.pending_succ, uf + ledger.pending_fail
+        self._old_succ, self._old_fail = ss, sf
+        self.succ = (ss + ledger.external_succ + own_s).tolist()
+        self.fail = (sf + ledger.external_fail + own_f).tolist()
+        ledger.old_asked = sa + ua + ledger.pending_asked
+        ledger.old_offered = so + uo + ledger.pending_offered
+        self.asked, self.offered = (ledger.old_asked + own_a).tolist(), (ledger.old_offered + own_o).tolist()
 
     def shared_baseline(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """What this replica believes the fleet totals are, at ``updated_at``:
-        its posterior without its own unpushed evidence and its local carry
-        (flat ``succ, fail, asked, offered``). A replica re-seeds a fleet
-        store that lost its data with it (:mod:`controller.fleet.acceptance_sync`)."""
+        """This replica's evidence without its own unpushed part, at ``updated_at``
+        (flat ``succ, fail, asked, offered``): what a replica that never read the
+        fleet seeds an empty fleet store with (:mod:`controller.fleet.acceptance_sync`)."""
         ledger = self.ledger
         if ledger is None:
             raise RuntimeError("shared_baseline needs a ShareLedger (AcceptanceModel.share_with_fleet)")
-        s = np.maximum(self._old_succ + ledger.external_succ - ledger.pending_succ - ledger.carry_succ, 0.0)
-        f = np.maximum(self._old_fail + ledger.external_fail - ledger.pending_fail - ledger.carry_fail, 0.0)
+        s = np.maximum(self._old_succ + ledger.external_succ - ledger.pending_succ, 0.0)
+        f = np.maximum(self._old_fail + ledger.external_fail - ledger.pending_fail, 0.0)
         a = np.maximum(ledger.old_asked - ledger.pending_asked, 0.0)
         o = np.maximum(ledger.old_offered - ledger.pending_offered, 0.0)
         return s, f, a, o
 
+    def planning_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What policies read (flat ``succ, fail, asked, offered``): the fleet view while there is one, else
+        this model's own evidence."""
+        if self.view is not None:
+            return self.view
+        return np.asarray(self.succ), np.asarray(self.fail), np.asarray(self.asked), np.asarray(self.offered)
+
     def beta_params(self) -> tuple[np.ndarray, np.ndarray]:  # each [depth, width]
         shape = (self.max_depth, self.max_width)
-        a = self.prior_a + np.asarray(self.succ).reshape(shape)
-        b = self.prior_b + np.asarray(self.fail).reshape(shape)
-        return a, b
+        succ, fail, _, _ = self.planning_arrays()
+        return self.prior_a + succ.reshape(shape), self.prior_b + fail.reshape(shape)
 
     def stick_mean(self) -> np.ndarray:  # [depth, width]
         a, b = self.beta_params()
@@ -354,9 +462,8 @@ class StratumPosterior:
 
     def effective_samples(self) -> np.ndarray:  # [depth]: evidence behind each rank-1 cell
         shape = (self.max_depth, self.max_width)
-        s = np.asarray(self.succ).reshape(shape)[:, 0]
-        f = np.asarray(self.fail).reshape(shape)[:, 0]
-        return s + f
+        succ, fail, _, _ = self.planning_arrays()
+        return succ.reshape(shape)[:, 0] + fail.reshape(shape)[:, 0]
 
 
 def fit_grid(cells: np.ndarray, depth: int, width: int) -> np.ndarray:

@@ -294,9 +294,45 @@ def _fleet(status: dict[str, Any]) -> Iterable[Metric]:
         for outcome in ("opened", "attached", "deferred", "deferred_dropped"):
             findings.add_metric([outcome], counts.get(outcome, 0))
         yield findings
+    if status.get("drift") is not None:
+        yield from _fleet_drift(status["drift"])
     info = InfoMetricFamily("specctl_fleet_replica", "This replica in the fleet.", labels=["replica", "fleet"])
     info.add_metric([replica, health["fleet"]], {})
     yield info
+
+
+def _fleet_drift(drift: dict[str, Any]) -> Iterable[Metric]:
+    """One drift monitor per drafter version fleet-wide (controller.fleet.drift_owner): who runs which, the lag."""
+    labels = ["drafter_kind", "drafter_version", "owner"]
+    owned = GaugeMetricFamily("specctl_fleet_drift_monitor_owned",
+                              "1 if this replica runs the drafter version's drift monitor (owner: who does).",
+                              labels=labels)
+    lag = GaugeMetricFamily("specctl_fleet_drift_evidence_lag",
+                            "Entries of the version's evidence stream not yet fed to its monitor (its owner only).",
+                            labels=labels[:2])
+    for d in drift["versions"]:
+        owned.add_metric([d["drafter_kind"], d["drafter_version"], d["owner"]], 1.0 if d["owned_here"] else 0.0)
+        if d["owned_here"]:
+            lag.add_metric([d["drafter_kind"], d["drafter_version"]], d["evidence_lag"])
+    yield owned
+    yield lag
+    outbox = drift["outbox"]
+    sent = CounterMetricFamily("specctl_fleet_drift_evidence_total",
+                               "Sampled request-step outcomes of this replica's workers on their way to the drift "
+                               "monitors: sent to the stream, or dropped (Redis unreachable, buffer full).",
+                               labels=["outcome"])
+    for outcome in ("sent", "dropped"):
+        sent.add_metric([outcome], outbox["counts"].get(outcome, 0))
+    yield sent
+    yield GaugeMetricFamily("specctl_fleet_drift_evidence_queued", "Sampled outcomes waiting here to be sent.",
+                            value=outbox["buffered"])
+    takeovers = CounterMetricFamily("specctl_fleet_drift_takeovers_total",
+                                    "Drafter versions whose drift monitor this replica took over, by where it started "
+                                    "from: the fleet's checkpoint, its own copy, the local store, the stream's start.",
+                                    labels=["source"])
+    for source in ("checkpoint", "own_copy", "local_store", "stream_start"):
+        takeovers.add_metric([source], drift["counts"].get("takeovers_from_" + source, 0))
+    yield takeovers
 
 
 def _workers(snap: MetricsSnapshot) -> Iterable[Metric]:

@@ -5,14 +5,23 @@ network:
 
 - ``decide(request_id, context_len, batch_size, request_class="") -> Decision``
   — a lookup in the last plan received (per-request override first, then the
-  table of the request's class), a few microseconds, thread-safe: plans are
-  immutable and swapped by reference. A class the plan does not name is its
-  default class, counted in ``AgentStats.unknown_class``.
+  table of the request's class, and for the default class the table of the
+  request's state when the plan has one), a few microseconds, thread-safe:
+  plans are immutable and swapped by reference. A class the plan does not
+  name is its default class, counted in ``AgentStats.unknown_class``.
 - ``acceptance_rule(request_class) -> AcceptanceRule`` — the rule the plan
   lets the engine verify that class's drafts with: ``strict`` unless the
   plan's class says ``typical`` (then with its epsilon and delta).
 - ``observe(step)`` / ``finish(summary)`` — append to a bounded queue; when
   it is full the oldest step is dropped and counted, the engine never waits.
+
+Request states (issue #28, :mod:`policies.outcome`): while the plan in force
+has state tables (``Plan.state_tables``), ``observe`` also keeps each
+request's last outcome (after a miss, after a full accept; a plain step
+resets it) in a bounded dict that ``finish`` empties, and ``decide`` picks the
+state's table: one more dict lookup. The engine changes nothing for it. The
+decision path (plan, overrides, states) is :class:`LocalDecisions`, which the
+policy benchmark's simulated workers run too.
 
 A background task holds the Connect stream: it sends Hello, batches queued
 telemetry into ``StepReports``, validates every Plan and RequestDecisions it
@@ -55,6 +64,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 import grpc
 
+from policies.outcome import AFTER_HIT, AFTER_MISS, DEFAULT, TRACKED_STATES
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import controller_pb2_grpc, plan_pb2, worker_pb2
 from worker.sdk.placement import HEALTH_CHECK, Endpoint, Placement, Targets, health_request, health_serving
@@ -192,7 +202,9 @@ class CompiledPlan:
 
     ``tables`` / ``rules``: per class name (empty for a plan without
     classes); ``default_table`` / ``default_rule``: the default class's (the
-    plan table and strict without classes).
+    plan table and strict without classes). ``state_tables``: per request
+    state (``policies.outcome``), the default class's table for requests in
+    that state (empty: none).
     """
 
     table: DecisionTable
@@ -202,6 +214,7 @@ class CompiledPlan:
     default_class: str = ""
     default_rule: AcceptanceRule = STRICT
     fallback: bool = False  # the agent's fallback, not a plan from a controller
+    state_tables: Mapping[int, DecisionTable] = field(default_factory=dict)
 
     @classmethod
     def single(cls, table: DecisionTable) -> "CompiledPlan":
@@ -217,8 +230,132 @@ class CompiledPlan:
             return cut[id(t)]
 
         tables = {name: clamp(t) for name, t in self.tables.items()}
+        states = {state: clamp(t) for state, t in self.state_tables.items()}
         return CompiledPlan(clamp(self.table), clamp(self.default_table), tables, self.rules, self.default_class,
-                            self.default_rule, self.fallback)
+                            self.default_rule, self.fallback, states)
+
+
+# Requests whose state the agent keeps at most (an engine that never calls finish() must not
+# grow it without bound): past it the oldest half is forgotten (back to the default state).
+MAX_TRACKED_REQUESTS = 65_536
+
+
+class OutcomeTracker:
+    """Each request's state (:mod:`policies.outcome`) from the steps the engine reports.
+
+    Only requests in a tracked state are held (the default state is the
+    absence of an entry), so a request that drafts part-way or plainly costs
+    nothing to keep; ``forget`` drops a finished request. Bounded by
+    ``max_requests``: past it the entries that have been held longest go
+    first (those of requests that left without a ``finish``).
+
+    >>> from worker.sdk.telemetry import RequestTelemetry as R, StepTelemetry as S
+    >>> t = OutcomeTracker()
+    >>> t.observe(S(1, 0.0, 3, 1.0, 1.0, [R("a", 10, depth=4), R("b", 10, depth=4, accepted=4), R("c", 10)]))
+    >>> t.state("a"), t.state("b"), t.state("c")
+    (1, 2, 0)
+    >>> t.observe(S(2, 0.0, 1, 0.0, 1.0, [R("a", 11)]))  # a plain step: back to the default state
+    >>> t.state("a")
+    0
+    """
+
+    __slots__ = ("states", "max_requests")
+
+    def __init__(self, max_requests: int = MAX_TRACKED_REQUESTS) -> None:
+        self.states: dict[str, int] = {}
+        self.max_requests = max_requests
+
+    def observe(self, step: StepTelemetry) -> None:
+        states = self.states
+        for r in step.requests:
+            # policies.outcome.next_state, inline: this runs for every request of every step.
+            depth, accepted = r.depth, r.accepted
+            state = DEFAULT if depth <= 0 else AFTER_MISS if accepted <= 0 else AFTER_HIT if accepted >= depth \
+                else DEFAULT
+            if state:
+                states[r.request_id] = state
+            elif states:
+                states.pop(r.request_id, None)
+        if len(states) > self.max_requests:
+            for rid in list(states)[: len(states) - self.max_requests // 2]:
+                states.pop(rid, None)
+
+    def state(self, request_id: str) -> int:
+        return self.states.get(request_id, DEFAULT)
+
+    def forget(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def clear(self) -> None:
+        self.states.clear()
+
+
+class LocalDecisions:
+    """What ``decide`` reads, and ``decide`` itself: the plan in force, the
+    per-request overrides and each request's state.
+
+    :class:`SpeculationAgent` decides through one of these, and so do the
+    policy benchmark's simulated workers (``bench.policies.WorkerLink``), so
+    the simulator exercises this very lookup. ``plan`` and ``overrides`` are
+    replaced whole, never mutated (``decide`` may run on another thread).
+    Counters go to ``stats`` (``fallback_decisions``, ``unknown_class``,
+    ``last_unknown_class``).
+    """
+
+    __slots__ = ("plan", "overrides", "outcomes", "states", "stats")
+
+    def __init__(self, plan: CompiledPlan, stats: "AgentStats") -> None:
+        self.plan = plan
+        self.overrides: dict[str, Decision] = {}
+        self.outcomes = OutcomeTracker()
+        self.states = self.outcomes.states  # the tracker's dict itself (cleared, never replaced): one lookup less
+        self.stats = stats
+
+    def decide(self, request_id: str, context_len: int, batch_size: int, request_class: str = "") -> Decision:
+        """The request's decision: its override, else its class's table at
+        (``batch_size``, ``context_len``); for the default class (also an
+        empty or unknown ``request_class``, the unknown counted) the table of
+        the request's state when the plan has one."""
+        override = self.overrides.get(request_id)
+        if override is not None:
+            return override
+        plan = self.plan  # read once: a plan arriving meanwhile is swapped whole
+        if plan.fallback:
+            self.stats.fallback_decisions += 1
+        table = plan.default_table
+        if request_class and plan.tables:
+            named = plan.tables.get(request_class)
+            if named is None:
+                stats = self.stats
+                stats.unknown_class += 1
+                stats.last_unknown_class = request_class
+            elif request_class != plan.default_class:
+                return named.lookup(batch_size, context_len)  # state tables refine the default class only
+        state_tables = plan.state_tables
+        if state_tables:
+            state = self.states.get(request_id)
+            if state is not None:
+                table = state_tables.get(state, table)
+        return table.lookup(batch_size, context_len)
+
+    def install(self, plan: CompiledPlan) -> None:
+        """Decide from ``plan`` from now on. A plan without state tables stops the tracking."""
+        self.plan = plan
+        if not plan.state_tables:
+            self.outcomes.clear()
+
+    def observe(self, step: StepTelemetry) -> None:
+        """Each request's outcome in ``step``, kept while the plan has state tables."""
+        if self.plan.state_tables:
+            self.outcomes.observe(step)
+
+    def forget(self, request_id: str) -> None:
+        """The request left: its override and its state go."""
+        self.outcomes.forget(request_id)
+        if request_id in self.overrides:
+            overrides = dict(self.overrides)
+            overrides.pop(request_id, None)
+            self.overrides = overrides
 
 
 def step_to_proto(step: StepTelemetry) -> worker_pb2.StepReport:
@@ -277,15 +414,42 @@ def _decisions(cells, hello: worker_pb2.Hello, path: str) -> tuple[Decision, ...
     return tuple(decisions)
 
 
+def compile_states(plan: plan_pb2.Plan, hello: worker_pb2.Hello, table: DecisionTable) -> dict[int, DecisionTable]:
+    """``plan.state_tables`` over the edges of its compiled ``table``, or ValueError
+    naming the field: each entry names a tracked state (AFTER_MISS, AFTER_HIT) once,
+    and its table is checked like the plan table (length, drafter limits)."""
+    out: dict[int, DecisionTable] = {}
+    cells = len(table.batch_edges) * len(table.context_edges)
+    for i, sp in enumerate(plan.state_tables):
+        path = f"state_tables[{i}]"
+        if sp.state not in TRACKED_STATES:
+            known = ", ".join(plan_pb2.RequestState.Name(s) for s in TRACKED_STATES)
+            what = ("the default state, whose table is Plan.table" if sp.state == DEFAULT
+                    else "not a RequestState this worker knows")
+            raise ValueError(f"{path}.state = {sp.state} is {what} (expected one of {known})")
+        name = plan_pb2.RequestState.Name(sp.state)
+        if sp.state in out:
+            raise ValueError(f"{path}.state = {name} appears twice")
+        if len(sp.table) != cells:
+            raise ValueError(f"{path} ({name}).table has {len(sp.table)} decisions, expected "
+                             f"{len(table.batch_edges)} batch buckets x {len(table.context_edges)} context buckets "
+                             f"= {cells}")
+        out[sp.state] = DecisionTable(table.batch_edges, table.context_edges,
+                                      _decisions(sp.table, hello, f"{path}.table"))
+    return out
+
+
 def compile_classes(plan: plan_pb2.Plan, hello: worker_pb2.Hello, table: DecisionTable) -> CompiledPlan:
-    """``plan``'s class section over its compiled ``table`` (:func:`compile_plan`),
+    """``plan``'s class and state sections over its compiled ``table`` (:func:`compile_plan`),
     or ValueError naming the problem: every class table is checked like the
     plan table (length, drafter limits), ``default_class`` must name a class,
-    a typical class needs epsilon and delta in (0, 1]."""
+    a typical class needs epsilon and delta in (0, 1]; state tables as
+    :func:`compile_states` checks them."""
+    states = compile_states(plan, hello, table)
     if not plan.classes:
         if plan.default_class:
             raise ValueError(f"default_class = {plan.default_class!r} but the plan lists no classes")
-        return CompiledPlan.single(table)
+        return CompiledPlan(table, table, state_tables=states) if states else CompiledPlan.single(table)
     cells = len(table.batch_edges) * len(table.context_edges)
     tables: dict[str, DecisionTable] = {}
     rules: dict[str, AcceptanceRule] = {}
@@ -317,7 +481,7 @@ def compile_classes(plan: plan_pb2.Plan, hello: worker_pb2.Hello, table: Decisio
     if plan.default_class not in tables:
         raise ValueError(f"default_class = {plan.default_class!r} is not one of the plan's classes {list(tables)}")
     default = plan.default_class
-    return CompiledPlan(table, tables[default], tables, rules, default, rules[default])
+    return CompiledPlan(table, tables[default], tables, rules, default, rules[default], state_tables=states)
 
 
 class SpeculationAgent:
@@ -356,12 +520,12 @@ class SpeculationAgent:
         self.credentials = channel_credentials
         self._call_metadata = (("authorization", f"Bearer {token}"),) if token else None
         fallback = DecisionTable.uniform(opts.fallback, (1,), (0,))
-        self._plan = CompiledPlan(fallback, fallback, fallback=True)
-        self._overrides: dict[str, Decision] = {}
+        self.stats = AgentStats()
+        # The plan in force, the per-request overrides and each request's state: what decide() reads.
+        self._local = LocalDecisions(CompiledPlan(fallback, fallback, fallback=True), self.stats)
         self._steps: deque[StepTelemetry] = deque()
         self._finished: deque[RequestSummary] = deque()
         self._lock = threading.Lock()
-        self.stats = AgentStats()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -391,32 +555,21 @@ class SpeculationAgent:
     def decide(self, request_id: str, context_len: int, batch_size: int, request_class: str = "") -> Decision:
         """The request's decision: its override, else its class's table at
         (``batch_size``, ``context_len``). ``request_class`` empty or not in
-        the plan: the plan's default class (an unknown name is counted)."""
-        override = self._overrides.get(request_id)
-        if override is not None:
-            return override
-        plan = self._plan  # read once: a plan arriving meanwhile is swapped whole
-        if plan.fallback:
-            self.stats.fallback_decisions += 1
-        if request_class and plan.tables:
-            table = plan.tables.get(request_class)
-            if table is None:
-                stats = self.stats
-                stats.unknown_class += 1
-                stats.last_unknown_class = request_class
-                table = plan.default_table
-            return table.lookup(batch_size, context_len)
-        return plan.default_table.lookup(batch_size, context_len)
+        the plan: the plan's default class (an unknown name is counted). For
+        the default class, the table of the request's state (its last
+        outcome) when the plan has one (:meth:`LocalDecisions.decide`)."""
+        return self._local.decide(request_id, context_len, batch_size, request_class)
 
     def acceptance_rule(self, request_class: str = "") -> AcceptanceRule:
         """The rule the engine may verify ``request_class``'s drafts with:
         ``("strict", 0, 0)`` unless the plan in force gives the class (or,
         for an empty or unknown name, its default class) typical acceptance.
         Before any plan, and for a plan without classes: strict."""
-        plan = self._plan
+        plan = self._local.plan
         return plan.rules.get(request_class, plan.default_rule)
 
     def observe(self, step: StepTelemetry) -> None:
+        self._local.observe(step)  # each request's last outcome, while the plan has state tables
         with self._lock:
             if len(self._steps) >= self.options.queue_size:
                 self._steps.popleft()
@@ -430,10 +583,7 @@ class SpeculationAgent:
                 self._finished.popleft()
                 self.stats.finished_dropped += 1
             self._finished.append(summary)
-        if summary.request_id in self._overrides:
-            overrides = dict(self._overrides)
-            overrides.pop(summary.request_id, None)
-            self._overrides = overrides
+        self._local.forget(summary.request_id)
 
     def roll_drafter(self, drafter: worker_pb2.Drafter) -> None:
         """Switch to a new drafter (e.g. retrained heads) without a reconnect.
@@ -448,8 +598,8 @@ class SpeculationAgent:
         hello.CopyFrom(self.hello)
         hello.drafter.CopyFrom(drafter)
         d = hello.drafter
-        self._plan = self._plan.clamped(d.max_depth, d.max_width, d.max_tree_nodes)
-        self._overrides = {}
+        self._local.install(self._local.plan.clamped(d.max_depth, d.max_width, d.max_tree_nodes))
+        self._local.overrides = {}
         if self._loop is None or not self._loop.is_running():
             self.hello = hello
             return
@@ -494,17 +644,26 @@ class SpeculationAgent:
     @property
     def table(self) -> DecisionTable:
         """The plan table (``Plan.table``; a class may have its own: :meth:`class_table`)."""
-        return self._plan.table
+        return self._local.plan.table
 
     def class_table(self, request_class: str = "") -> DecisionTable:
-        """The table ``decide`` reads for ``request_class`` (not counted when unknown)."""
-        plan = self._plan
+        """The table ``decide`` reads for ``request_class`` (not counted when unknown) in the default state."""
+        plan = self._local.plan
         return plan.tables.get(request_class, plan.default_table)
+
+    def state_table(self, state: int) -> DecisionTable:
+        """The default class's table for requests in ``state`` (``policies.outcome``)."""
+        plan = self._local.plan
+        return plan.state_tables.get(state, plan.default_table)
+
+    def request_state(self, request_id: str) -> int:
+        """The request's state as the agent tracks it (``policies.outcome``; 0 while untracked)."""
+        return self._local.outcomes.state(request_id)
 
     @property
     def classes(self) -> tuple[str, ...]:
         """Class names of the plan in force (empty: it has none)."""
-        return tuple(self._plan.tables)
+        return tuple(self._local.plan.tables)
 
     # -------------------------------------------------------- thread usage
     def start(self) -> "SpeculationAgent":
@@ -911,7 +1070,7 @@ class SpeculationAgent:
             self.stats.nacks_sent += 1
             return worker_pb2.WorkerMessage(nack=worker_pb2.Nack(version=plan.version, nonce=plan.nonce,
                                                                   reason=str(err)))
-        self._plan = compiled
+        self._local.install(compiled)
         self.stats.plan_version = plan.version
         self.stats.plans_applied += 1
         move = self._move
@@ -922,7 +1081,7 @@ class SpeculationAgent:
 
     def _apply_decisions(self, msg: plan_pb2.RequestDecisions) -> worker_pb2.WorkerMessage:
         d = self.hello.drafter
-        overrides = dict(self._overrides)
+        overrides = dict(self._local.overrides)
         try:
             for i, rd in enumerate(msg.decisions):
                 cell = rd.decision
@@ -935,6 +1094,6 @@ class SpeculationAgent:
                                                                   reason=str(err)))
         for rid in msg.cleared:
             overrides.pop(rid, None)
-        self._overrides = overrides
+        self._local.overrides = overrides
         self.stats.decisions_applied += 1
         return worker_pb2.WorkerMessage(ack=worker_pb2.Ack(version=msg.version, nonce=msg.nonce))

@@ -179,16 +179,18 @@ class DecideRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., hello: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., reports: _Optional[_Union[_worker_pb2.StepReports, _Mapping]] = ..., queries: _Optional[_Iterable[_Union[DecideQuery, _Mapping]]] = ...) -> None: ...
 
 class DecideQuery(_message.Message):
-    __slots__ = ("request_id", "context_len", "batch_size", "request_class")
+    __slots__ = ("request_id", "context_len", "batch_size", "request_class", "request_state")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_STATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_len: int
     batch_size: int
     request_class: str
-    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., batch_size: _Optional[int] = ..., request_class: _Optional[str] = ...) -> None: ...
+    request_state: _plan_pb2.RequestState
+    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., batch_size: _Optional[int] = ..., request_class: _Optional[str] = ..., request_state: _Optional[_Union[_plan_pb2.RequestState, str]] = ...) -> None: ...
 
 class DecideResponse(_message.Message):
     __slots__ = ("decisions", "plan_version", "rejections")
@@ -365,7 +367,7 @@ class RejectionCount(_message.Message):
     def __init__(self, reason: _Optional[_Union[_plan_pb2.RejectReason, str]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("workers", "rejections", "policy", "policy_reloads", "policy_reload_failures", "streams_superseded", "workers_expired", "worker_idle_ttl_s", "replica_id", "replicas", "placements", "fleet_store")
+    __slots__ = ("workers", "rejections", "policy", "policy_reloads", "policy_reload_failures", "streams_superseded", "workers_expired", "worker_idle_ttl_s", "replica_id", "replicas", "placements", "fleet_store", "drift_monitors")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +380,7 @@ class GetStatusResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     FLEET_STORE_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_MONITORS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     rejections: _containers.RepeatedCompositeFieldContainer[RejectionCount]
     policy: str
@@ -390,7 +393,28 @@ class GetStatusResponse(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     placements: _containers.RepeatedCompositeFieldContainer[WorkerPlacement]
     fleet_store: FleetStoreHealth
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., rejections: _Optional[_Iterable[_Union[RejectionCount, _Mapping]]] = ..., policy: _Optional[str] = ..., policy_reloads: _Optional[int] = ..., policy_reload_failures: _Optional[int] = ..., streams_superseded: _Optional[int] = ..., workers_expired: _Optional[int] = ..., worker_idle_ttl_s: _Optional[float] = ..., replica_id: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[WorkerPlacement, _Mapping]]] = ..., fleet_store: _Optional[_Union[FleetStoreHealth, _Mapping]] = ...) -> None: ...
+    drift_monitors: _containers.RepeatedCompositeFieldContainer[DriftMonitorStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., rejections: _Optional[_Iterable[_Union[RejectionCount, _Mapping]]] = ..., policy: _Optional[str] = ..., policy_reloads: _Optional[int] = ..., policy_reload_failures: _Optional[int] = ..., streams_superseded: _Optional[int] = ..., workers_expired: _Optional[int] = ..., worker_idle_ttl_s: _Optional[float] = ..., replica_id: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[WorkerPlacement, _Mapping]]] = ..., fleet_store: _Optional[_Union[FleetStoreHealth, _Mapping]] = ..., drift_monitors: _Optional[_Iterable[_Union[DriftMonitorStatus, _Mapping]]] = ...) -> None: ...
+
+class DriftMonitorStatus(_message.Message):
+    __slots__ = ("drafter_kind", "drafter_version", "owner_replica_id", "owned_here", "evidence_lag", "evidence_queued", "entries_lost", "checkpoint_age_s")
+    DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNED_HERE_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_LAG_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_LOST_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    drafter_kind: str
+    drafter_version: str
+    owner_replica_id: str
+    owned_here: bool
+    evidence_lag: int
+    evidence_queued: int
+    entries_lost: int
+    checkpoint_age_s: float
+    def __init__(self, drafter_kind: _Optional[str] = ..., drafter_version: _Optional[str] = ..., owner_replica_id: _Optional[str] = ..., owned_here: _Optional[bool] = ..., evidence_lag: _Optional[int] = ..., evidence_queued: _Optional[int] = ..., entries_lost: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("replica_id", "address", "live", "workers", "started_at")
@@ -419,7 +443,7 @@ class WorkerPlacement(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., replica_live: _Optional[bool] = ..., since: _Optional[float] = ...) -> None: ...
 
 class FleetStoreHealth(_message.Message):
-    __slots__ = ("backend", "url", "fleet", "up", "outages", "down_for_s", "last_error", "failed_calls", "failed_merges", "unmerged_evidence", "since_merge_s", "merges", "live_replicas", "leases_held", "alert_events_queued", "first_plans_held")
+    __slots__ = ("backend", "url", "fleet", "up", "outages", "down_for_s", "last_error", "failed_calls", "failed_merges", "unmerged_evidence", "since_merge_s", "merges", "live_replicas", "leases_held", "alert_events_queued", "first_plans_held", "drift_evidence_dropped")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     FLEET_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +460,7 @@ class FleetStoreHealth(_message.Message):
     LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
     ALERT_EVENTS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     FIRST_PLANS_HELD_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_EVIDENCE_DROPPED_FIELD_NUMBER: _ClassVar[int]
     backend: str
     url: str
     fleet: str
@@ -452,4 +477,5 @@ class FleetStoreHealth(_message.Message):
     leases_held: int
     alert_events_queued: int
     first_plans_held: int
-    def __init__(self, backend: _Optional[str] = ..., url: _Optional[str] = ..., fleet: _Optional[str] = ..., up: _Optional[bool] = ..., outages: _Optional[int] = ..., down_for_s: _Optional[float] = ..., last_error: _Optional[str] = ..., failed_calls: _Optional[int] = ..., failed_merges: _Optional[int] = ..., unmerged_evidence: _Optional[float] = ..., since_merge_s: _Optional[float] = ..., merges: _Optional[int] = ..., live_replicas: _Optional[int] = ..., leases_held: _Optional[int] = ..., alert_events_queued: _Optional[int] = ..., first_plans_held: _Optional[int] = ...) -> None: ...
+    drift_evidence_dropped: int
+    def __init__(self, backend: _Optional[str] = ..., url: _Optional[str] = ..., fleet: _Optional[str] = ..., up: _Optional[bool] = ..., outages: _Optional[int] = ..., down_for_s: _Optional[float] = ..., last_error: _Optional[str] = ..., failed_calls: _Optional[int] = ..., failed_merges: _Optional[int] = ..., unmerged_evidence: _Optional[float] = ..., since_merge_s: _Optional[float] = ..., merges: _Optional[int] = ..., live_replicas: _Optional[int] = ..., leases_held: _Optional[int] = ..., alert_events_queued: _Optional[int] = ..., first_plans_held: _Optional[int] = ..., drift_evidence_dropped: _Optional[int] = ...) -> None: ...

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RequestState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REQUEST_STATE_UNSPECIFIED: _ClassVar[RequestState]
+    REQUEST_STATE_AFTER_MISS: _ClassVar[RequestState]
+    REQUEST_STATE_AFTER_HIT: _ClassVar[RequestState]
+
 class AcceptanceRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ACCEPTANCE_RULE_UNSPECIFIED: _ClassVar[AcceptanceRule]
@@ -22,6 +28,9 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_UNKNOWN_REQUEST: _ClassVar[RejectReason]
     REJECT_REASON_STALE_STEP: _ClassVar[RejectReason]
     REJECT_REASON_UNKNOWN_PLAN: _ClassVar[RejectReason]
+REQUEST_STATE_UNSPECIFIED: RequestState
+REQUEST_STATE_AFTER_MISS: RequestState
+REQUEST_STATE_AFTER_HIT: RequestState
 ACCEPTANCE_RULE_UNSPECIFIED: AcceptanceRule
 ACCEPTANCE_RULE_STRICT: AcceptanceRule
 ACCEPTANCE_RULE_TYPICAL: AcceptanceRule
@@ -44,7 +53,7 @@ class Decision(_message.Message):
     def __init__(self, depth: _Optional[int] = ..., width: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("version", "nonce", "batch_size_edges", "context_len_edges", "table", "policy", "created_at", "expected_goodput_tok_s", "classes", "default_class")
+    __slots__ = ("version", "nonce", "batch_size_edges", "context_len_edges", "table", "policy", "created_at", "expected_goodput_tok_s", "classes", "default_class", "state_tables")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_EDGES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +64,7 @@ class Plan(_message.Message):
     EXPECTED_GOODPUT_TOK_S_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_CLASS_FIELD_NUMBER: _ClassVar[int]
+    STATE_TABLES_FIELD_NUMBER: _ClassVar[int]
     version: int
     nonce: str
     batch_size_edges: _containers.RepeatedScalarFieldContainer[int]
@@ -65,7 +75,16 @@ class Plan(_message.Message):
     expected_goodput_tok_s: float
     classes: _containers.RepeatedCompositeFieldContainer[ClassPlan]
     default_class: str
-    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., batch_size_edges: _Optional[_Iterable[int]] = ..., context_len_edges: _Optional[_Iterable[int]] = ..., table: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., expected_goodput_tok_s: _Optional[float] = ..., classes: _Optional[_Iterable[_Union[ClassPlan, _Mapping]]] = ..., default_class: _Optional[str] = ...) -> None: ...
+    state_tables: _containers.RepeatedCompositeFieldContainer[StatePlan]
+    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., batch_size_edges: _Optional[_Iterable[int]] = ..., context_len_edges: _Optional[_Iterable[int]] = ..., table: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., expected_goodput_tok_s: _Optional[float] = ..., classes: _Optional[_Iterable[_Union[ClassPlan, _Mapping]]] = ..., default_class: _Optional[str] = ..., state_tables: _Optional[_Iterable[_Union[StatePlan, _Mapping]]] = ...) -> None: ...
+
+class StatePlan(_message.Message):
+    __slots__ = ("state", "table")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    state: RequestState
+    table: _containers.RepeatedCompositeFieldContainer[Decision]
+    def __init__(self, state: _Optional[_Union[RequestState, str]] = ..., table: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ...) -> None: ...
 
 class ClassPlan(_message.Message):
     __slots__ = ("name", "table", "acceptance_rule", "typical_epsilon", "typical_delta")

@@ -1,0 +1,381 @@
+"""One drift monitor per drafter version fleet-wide (``controller/fleet/drift_*.py``), in process.
+
+Replicas here are the real parts of one (a :class:`DriftAlerting` with its
+monitor and feed, a :class:`FleetDriftMonitor` with its own
+:class:`FleetStore`) against a real ``redis-server``; the rounds a replica's
+loop would run are called by the test. ``tests/test_fleet_drift_replicas.py``
+runs whole ``specctl serve`` processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import zlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from controller.alerts.alerting import DriftAlerting
+from controller.alerts.store import StateStore
+from controller.drift.monitor import AcceptanceDriftMonitor, MonitorConfig
+from controller.drift.persistence import install_version, version_from_dict, version_to_dict
+from controller.fleet.drift_owner import Checkpoint, Cursor, FleetDriftMonitor, Phase
+from controller.fleet.alerts import FleetAlerts
+from controller.fleet.drift_stream import EvidenceGroup, Outcome, StreamLimits, decode_groups, encode_groups
+from controller.fleet.leases import LeaseBook
+from controller.fleet.store import FleetStore, StoreUnavailable
+from controller.protocol import RequestRow
+
+FAST = dict(baseline_steps=500, window=300, round_steps=500, ert=2_000_000, n_bootstrap=512, cusum_paths=128,
+            cusum_horizon=2048)
+LIMITS = SimpleNamespace(kind="eagle", version="fv1", max_depth=6, max_width=1, max_tree_nodes=6,
+                         trained_context_len=8192)
+
+
+# ------------------------------------------------------------------ codec
+
+def test_codec_round_trips_trees_chains_domains_and_markers() -> None:
+    lim = StreamLimits("medusa", "v:7", 5, 4, 4096)
+    rng = np.random.default_rng(0)
+    groups = []
+    for k in range(50):
+        outcomes = []
+        for _ in range(8):
+            depth = int(rng.integers(0, 6))
+            accepted = int(rng.integers(0, depth + 1))
+            levels = min(depth, accepted + 1)
+            cands = tuple(int(c) for c in rng.integers(1, 5, size=levels))
+            ranks = tuple(int(rng.integers(1, c + 1)) if i < accepted else 0 for i, c in enumerate(cands))
+            outcomes.append(Outcome(int(rng.integers(0, 1 << 20)), accepted, depth, ranks, cands,
+                                    ["", "code", "chat"][k % 3]))
+        groups.append(EvidenceGroup(f"w{k % 4}", 1000.0 + k / 50, lim, tuple(outcomes)))
+    groups.append(EvidenceGroup("w1", 1001.0, lim, (), moved_to="medusa/v8"))
+    data = encode_groups(groups)
+    assert decode_groups(data) == groups
+
+
+@pytest.mark.parametrize("outcome, message", [
+    (Outcome(10, 300, 6, (), (), ""), "accepted 300 must be in 0..255"),
+    (Outcome(-1, 1, 6, (), (), ""), "context_len -1 must be in 0..4294967295"),
+    (Outcome(10, 1, 6, (1, 0), (2,), ""), "level_candidates: 1 entries, accepted_rank has 2"),
+    (Outcome(10, 1, 6, (1,), (999,), ""), "level_candidates 999 must be in 0..255"),
+])
+def test_codec_refuses_what_it_cannot_hold_naming_field_and_value(outcome: Outcome, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        encode_groups([EvidenceGroup("w0", 1.0, StreamLimits("eagle", "v1", 6, 1, 0), (outcome,))])
+
+
+def test_codec_refuses_a_damaged_entry() -> None:
+    data = encode_groups([EvidenceGroup("w0", 1.0, StreamLimits("eagle", "v1", 6, 1, 0),
+                                        (Outcome(10, 1, 6, (), (), ""),))])
+    raw = zlib.decompress(data)
+    with pytest.raises(ValueError, match="malformed evidence entry"):
+        decode_groups(zlib.compress(raw[:-3]))
+    with pytest.raises(ValueError, match="malformed evidence entry"):
+        decode_groups(b"not zlib at all")
+
+
+# ------------------------------------------------------------- checkpoint
+
+def _learn(mon: AcceptanceDriftMonitor, rng: np.random.Generator, n: int, alpha: float, t0: float = 0.0,
+           worker: str = "w0", contexts=(500, 3000)) -> None:
+    for t in range(n):
+        ctx = int(rng.choice(contexts))
+        tau = min(int(rng.geometric(1 - alpha)) - 1, 6)
+        mon.observe_request(LIMITS, ctx, tau, 6, now=t0 + t, worker_id=worker)
+
+
+def test_a_version_checkpoint_round_trips_into_another_monitor() -> None:
+    rng = np.random.default_rng(1)
+    mon = AcceptanceDriftMonitor(MonitorConfig(**FAST))
+    _learn(mon, rng, 2000, 0.8)
+    v = mon._versions[("eagle", "fv1")]
+    cp = Checkpoint(4, "r0/abcd", 123.0, Cursor("17-2", 9, {"r1/x": 5}), version_to_dict(v),
+                    list(mon.config.context_edges))
+    back = Checkpoint.from_json(json.loads(json.dumps(cp.to_json())))
+    assert back == cp
+    other = AcceptanceDriftMonitor(MonitorConfig(**FAST))
+    install_version(other, version_from_dict(back.version, other.config, other.ert_cusum))
+    assert other.to_dict() == mon.to_dict(alerts=True) | {"alerts": [], "next_id": 1}
+    restored = AcceptanceDriftMonitor.from_dict(mon.to_dict())  # what a restart from the local store gives
+    mine, theirs = restored.snapshot()["versions"][0], other.snapshot()["versions"][0]
+    assert theirs["cusum_thresholds"] == pytest.approx(mine["cusum_thresholds"])
+    assert theirs["workers"] == ["w0"] and [s["baseline_ready"] for s in theirs["strata"]] == [True, True]
+
+
+def test_a_bad_checkpoint_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="cursor.last_id 'x-y' is not a stream id"):
+        Checkpoint.from_json(json.dumps({"format": 1, "gen": 1, "owner": "r", "at": 0.0,
+                                         "cursor": {"last_id": "x-y"}, "version": None}))
+
+
+# ---------------------------------------------- one monitor sees more, sooner
+
+def _first_alarm(monitors: list[AcceptanceDriftMonitor], rng: np.random.Generator, steps: int, drift_at: int,
+                 alpha: float, drop: float) -> int | None:
+    """Request-steps (fleet-wide, after ``drift_at``) until any monitor opens an alert; the fleet's steps go
+    round-robin over ``monitors``."""
+    for t in range(steps):
+        a = alpha * (1 - drop) if t >= drift_at else alpha
+        tau = min(int(rng.geometric(1 - a)) - 1, 6)
+        mon = monitors[t % len(monitors)]
+        mon.observe_request(LIMITS, int(rng.choice((500, 3000))), tau, 6, now=float(t), worker_id=f"w{t % 4}")
+        if t >= drift_at and mon.open_alerts():
+            return t - drift_at
+    return None
+
+
+def test_one_monitor_fed_both_replicas_outcomes_catches_a_drift_two_halves_do_not() -> None:
+    """The same outcomes (a 5 % acceptance drop on two replicas' workers): one monitor fed all of them
+    alarms within the horizon; two monitors fed half each (per-replica monitors) do not, in the same
+    fleet-wide request-steps."""
+    warmup, horizon = 3000, 3000
+    one = _first_alarm([AcceptanceDriftMonitor(MonitorConfig(**FAST))], np.random.default_rng(7),
+                       warmup + horizon, warmup, 0.8, 0.05)
+    two = _first_alarm([AcceptanceDriftMonitor(MonitorConfig(**FAST)) for _ in range(2)], np.random.default_rng(7),
+                       warmup + horizon, warmup, 0.8, 0.05)
+    assert one is not None and one < horizon
+    assert two is None, two
+
+
+# ------------------------------------------------- replicas through Redis
+
+class Node:
+    """One replica's drift parts: alerting (monitor + feed) and the fleet drift monitor, on its own store."""
+
+    def __init__(self, url: str, name: str, ttl_s: float = 1.0, **kw) -> None:
+        self.store = FleetStore(url, fleet="fleet-drift-test", replica_id=name, op_timeout_s=0.5,
+                                connect_timeout_s=0.3, backoff_s=(0.05, 0.2))
+        self.alerting = DriftAlerting(AcceptanceDriftMonitor(MonitorConfig(**FAST)), StateStore(""), [],
+                                      cpu_fraction=1.0, max_buffered=100_000)
+        self.drift = FleetDriftMonitor(self.store, self.alerting, None, lease_ttl_s=ttl_s, checkpoint_interval_s=0.3,
+                                       **kw)
+        self.drift.attach()
+        self.rng = np.random.default_rng(zlib.crc32(name.encode()))
+        self.sent = 0
+        self.step_id = 0
+
+    def steps(self, worker: str, count: int, alpha: float, ctx: int = 500, batch: int = 8) -> None:
+        state = SimpleNamespace(limits=LIMITS, worker_id=worker)
+        for _ in range(count):
+            self.step_id += 1
+            accepted = np.minimum(self.rng.geometric(1 - alpha, size=batch) - 1, 6)
+            rows = [RequestRow(f"{worker}-{self.step_id}-{i}", ctx, 6, 1, 6, int(a), None, None, 6, 1, 6, 0)
+                    for i, a in enumerate(accepted)]
+            step = SimpleNamespace(timestamp=time.time(), requests=[SimpleNamespace(domain="")] * batch)
+            self.alerting.feed.on_rows(state, step, rows)
+            self.sent += batch
+
+    async def round(self) -> None:
+        await self.drift.run_round()
+        self.alerting.feed.drain(10.0)
+
+    def seen(self) -> int:
+        """Request-steps the monitor's strata counted for the version (persisted with the baselines)."""
+        v = self.alerting.monitor._versions.get(("eagle", "fv1"))
+        return sum(s.n_seen for s in v.strata.values()) if v is not None else 0
+
+    def phase(self) -> Phase | None:
+        watch = self.drift.watches.get(("eagle", "fv1"))
+        return watch.phase if watch is not None else None
+
+    def close(self) -> None:
+        self.store.close()
+        self.alerting.store.close()
+
+
+async def rounds(nodes, until, timeout_s: float = 15.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        for n in nodes:
+            await n.round()
+        await asyncio.sleep(0.02)
+
+
+async def test_every_replicas_outcomes_reach_the_one_owner_once(redis_server) -> None:
+    a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
+    try:
+        a.steps("wa", 40, 0.8)
+        b.steps("wb", 40, 0.8, ctx=3000)
+        await rounds([a, b], lambda: Phase.OWNED in (a.phase(), b.phase()), what="an owner")
+        owner, other = (a, b) if a.phase() is Phase.OWNED else (b, a)
+        await rounds([a, b], lambda: owner.seen() == a.sent + b.sent, what="every outcome at the owner")
+        assert other.seen() == 0 and other.phase() is Phase.IDLE
+        assert ("eagle", "fv1") not in other.alerting.monitor._versions
+        # A flush whose answer was lost after Redis applied it: the entry is sent again, same number.
+        real_call = other.store.call
+        lost = []
+
+        def answer_lost(op, fn):
+            result = real_call(op, fn)
+            if op == "drift_evidence" and not lost:
+                lost.append(op)
+                raise StoreUnavailable(op, "answer lost")
+            return result
+
+        other.store.call = answer_lost
+        other.steps("wb" if other is b else "wa", 30, 0.8)
+        await rounds([a, b], lambda: bool(lost) and other.drift.outbox.buffered() == 0, what="the resend")
+        await rounds([a, b], lambda: owner.drift.watches[("eagle", "fv1")].lag == 0, what="caught up")
+        for _ in range(3):
+            await owner.round()
+        watch = owner.drift.watches[("eagle", "fv1")]
+        assert watch.counts["entries_duplicate"] == 1
+        assert owner.seen() == a.sent + b.sent  # the copy was skipped
+        status = {d["drafter_version"]: d for d in other.drift.status()}["fv1"]
+        assert status["owner"] == owner.store.replica_id and not status["owned_here"]
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_dead_owners_monitor_is_taken_over_from_its_checkpoint(redis_server) -> None:
+    a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
+    try:
+        a.steps("wa", 20, 0.8)
+        await rounds([a], lambda: a.phase() is Phase.OWNED, what="a owning")
+        b.steps("wb", 150, 0.8)  # baselines (500 request-steps a stratum) from both replicas
+        a.steps("wa", 100, 0.8)
+        await rounds([a, b], lambda: a.seen() == a.sent + b.sent, what="a fed everything")
+        gen = a.drift.watches[("eagle", "fv1")].gen
+        await rounds([a, b], lambda: a.drift.watches[("eagle", "fv1")].gen > gen, what="a checkpoint after that")
+        fed_by_a = a.seen()
+        # a dies: no more rounds, its lease is left to expire. Outcomes keep coming from b.
+        b.steps("wb", 50, 0.8)
+        await rounds([b], lambda: b.phase() is Phase.OWNED, what="b taking over")
+        await rounds([b], lambda: b.drift.watches[("eagle", "fv1")].lag == 0 and b.seen() >= fed_by_a, what="caught up")
+        for _ in range(3):
+            await b.round()
+        assert b.seen() == a.sent + b.sent  # from the checkpoint on, every outcome once
+        v = b.alerting.monitor._versions[("eagle", "fv1")]
+        assert all(s.weights is not None for s in v.strata.values())  # baselines came with it, not relearnt
+        assert b.drift.counts["takeovers"] == b.drift.counts["takeovers_from_checkpoint"] == 1
+        # It read on from the checkpoint's entry: less than everything sent, which a start over would re-read.
+        assert b.drift.watches[("eagle", "fv1")].counts["outcomes_queued"] < a.sent + b.sent - 500
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_redis_lost_and_back_nothing_counted_twice_drops_counted(redis_server) -> None:
+    a = Node(redis_server.url, "a", max_buffered=400)
+    try:
+        for _ in range(10):  # ten entries in the stream
+            a.steps("wa", 10, 0.8)
+            await a.round()
+        await rounds([a], lambda: a.seen() == a.sent, what="all fed")
+        redis_server.kill()
+        a.steps("wa", 30, 0.8)  # 240 outcomes wait
+        for _ in range(5):
+            await a.round()
+        assert a.drift.outbox.buffered() == 240 and a.seen() == 800
+        a.steps("wa", 40, 0.8)  # 320 more: past the bound, the oldest entry (240) is dropped whole
+        a.alerting.feed.drain(0.0)  # the tick forwards every buffered step
+        assert a.drift.outbox.counts["dropped"] == 240 and a.drift.outbox.buffered() == 320
+        redis_server.start()  # empty: no lease, no checkpoint, no stream
+        await rounds([a], lambda: a.seen() == a.sent - 240, timeout_s=20.0, what="the rest fed once")
+        for _ in range(5):
+            await a.round()
+        assert a.seen() == a.sent - 240
+        watch = a.drift.watches[("eagle", "fv1")]
+        assert watch.phase is Phase.OWNED and watch.counts["stream_resets"] == 1
+        v = a.alerting.monitor._versions[("eagle", "fv1")]
+        assert all(s.weights is not None for s in v.strata.values())  # its own copy, not relearnt
+    finally:
+        a.close()
+
+
+# ------------------------------------------- a finding waiting for its lease
+
+def test_a_finding_waiting_for_its_stratum_lease_holds_its_stratum_out_of_the_tests(redis_server) -> None:
+    """Long contexts drift while another replica holds that stratum's alert lease: this replica's finding
+    waits (``FleetAlerts.claim`` answers None). Its stratum waits with it, out of the CUSUMs: left in, the
+    drift fires the bank again every few steps, and among those many localisations the quiet stratum's
+    noise crosses ``localize_llr`` and is named too, a second alert for one drift once the leases come."""
+    def store(name: str) -> FleetStore:
+        return FleetStore(redis_server.url, fleet="fleet-drift-test", replica_id=name, op_timeout_s=0.5,
+                          connect_timeout_s=0.3)
+
+    mine, theirs = store("a"), store("b")
+    alerting = DriftAlerting(AcceptanceDriftMonitor(MonitorConfig(**FAST)), StateStore(""), [], cpu_fraction=1.0)
+    fleet = FleetAlerts(mine, alerting, lease_ttl_s=5.0, pending_s=60.0)
+    fleet.attach()
+    mon = alerting.monitor
+    drifted, quiet = "eagle/fv1/ctx[1024,2048)", "eagle/fv1/ctx[0,1024)"
+    holder = LeaseBook(theirs, ttl_s=5.0)
+    try:
+        holder.want(drifted)
+        holder.cycle()
+        assert holder.holds(drifted)
+        rng = np.random.default_rng(5)
+        _learn(mon, rng, 3000, 0.8, contexts=(500, 1500))  # baselines of both strata
+        assert not mon.alerts and not fleet.stats()["pending"]
+        for t in range(3000, 9000):  # the drafter got worse on long contexts only
+            ctx = (500, 1500)[t % 2]
+            tau = min(int(rng.geometric(1 - (0.8 if ctx == 500 else 0.5))) - 1, 6)
+            mon.observe_request(LIMITS, ctx, tau, 6, now=float(t), worker_id="w0")
+        assert fleet.counts["deferred"] == 1, fleet.counts  # one finding, on the drifted stratum, waiting
+        assert not mon.alerts
+        fleet.cycle_leases()  # still the other replica's: nothing opens
+        fleet.after_lease_cycle()
+        assert not mon.alerts and fleet.stats()["pending"] == 1
+        holder.drop(drifted)  # the other replica lets go: the waiting finding opens, the only alert
+        holder.cycle()
+        fleet.cycle_leases()
+        fleet.after_lease_cycle()
+        assert [(a.stratum, a.detector) for a in mon.open_alerts()] == [("ctx[1024,2048)", "cusum")]
+        assert fleet.leases.holds(drifted) and not fleet.leases.holds(quiet)
+        assert fleet.counts["opened"] == 1 and not fleet.stats()["pending"]
+    finally:
+        mine.close()
+        theirs.close()
+        alerting.store.close()
+
+
+def test_a_finding_given_up_on_returns_its_stratum_to_the_cusums(redis_server) -> None:
+    """A waiting finding dropped (not granted within ``pending_s``) is withdrawn from the monitor: its
+    stratum, still drifting, fires again and the new finding opens once the lease is free."""
+    def store(name: str) -> FleetStore:
+        return FleetStore(redis_server.url, fleet="fleet-drift-test", replica_id=name, op_timeout_s=0.5,
+                          connect_timeout_s=0.3)
+
+    mine, theirs = store("a"), store("b")
+    now = [0.0]
+    alerting = DriftAlerting(AcceptanceDriftMonitor(MonitorConfig(**FAST)), StateStore(""), [], cpu_fraction=1.0)
+    fleet = FleetAlerts(mine, alerting, lease_ttl_s=5.0, pending_s=10.0, monotonic=lambda: now[0])
+    fleet.attach()
+    mon = alerting.monitor
+    drifted = "eagle/fv1/ctx[1024,2048)"
+    holder = LeaseBook(theirs, ttl_s=5.0)
+    rng = np.random.default_rng(6)
+
+    def drift(t0: int, n: int) -> None:
+        for t in range(t0, t0 + n):
+            ctx = (500, 1500)[t % 2]
+            tau = min(int(rng.geometric(1 - (0.8 if ctx == 500 else 0.5))) - 1, 6)
+            mon.observe_request(LIMITS, ctx, tau, 6, now=float(t), worker_id="w0")
+
+    try:
+        holder.want(drifted)
+        holder.cycle()
+        _learn(mon, rng, 3000, 0.8, contexts=(500, 1500))
+        drift(3000, 2000)
+        assert fleet.counts["deferred"] == 1 and fleet.stats()["pending"] == 1
+        now[0] = 11.0  # waited past pending_s: given up
+        fleet.after_lease_cycle()
+        assert fleet.counts["deferred_dropped"] == 1 and not fleet.stats()["pending"]
+        holder.drop(drifted)
+        holder.cycle()
+        drift(5000, 2000)  # back in the CUSUMs: found again
+        assert fleet.counts["deferred"] == 2 and not mon.alerts, fleet.counts
+        fleet.cycle_leases()
+        fleet.after_lease_cycle()
+        assert [a.stratum for a in mon.open_alerts()] == ["ctx[1024,2048)"]
+    finally:
+        mine.close()
+        theirs.close()
+        alerting.store.close()
