@@ -17,8 +17,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import redis
 
-from controller.alerts.alerting import DriftAlerting
+from controller.alerts.alerting import DriftAlerting, is_sampled
 from controller.alerts.store import StateStore
 from controller.drift.monitor import AcceptanceDriftMonitor, MonitorConfig
 from controller.drift.persistence import install_version, version_from_dict, version_to_dict
@@ -146,11 +147,13 @@ def test_one_monitor_fed_both_replicas_outcomes_catches_a_drift_two_halves_do_no
 class Node:
     """One replica's drift parts: alerting (monitor + feed) and the fleet drift monitor, on its own store."""
 
-    def __init__(self, url: str, name: str, ttl_s: float = 1.0, **kw) -> None:
+    def __init__(self, url: str, name: str, ttl_s: float = 1.0, budget_s: float = 10.0, sample_fraction: float = 1.0,
+                 config: dict | None = None, **kw) -> None:
         self.store = FleetStore(url, fleet="fleet-drift-test", replica_id=name, op_timeout_s=0.5,
                                 connect_timeout_s=0.3, backoff_s=(0.05, 0.2))
-        self.alerting = DriftAlerting(AcceptanceDriftMonitor(MonitorConfig(**FAST)), StateStore(""), [],
-                                      cpu_fraction=1.0, max_buffered=100_000)
+        self.alerting = DriftAlerting(AcceptanceDriftMonitor(MonitorConfig(**(config or FAST))), StateStore(""), [],
+                                      sample_fraction=sample_fraction, cpu_fraction=1.0, max_buffered=100_000)
+        self.budget_s = budget_s  # the monitor's CPU budget per round
         self.drift = FleetDriftMonitor(self.store, self.alerting, None, lease_ttl_s=ttl_s, checkpoint_interval_s=0.3,
                                        **kw)
         self.drift.attach()
@@ -171,7 +174,7 @@ class Node:
 
     async def round(self) -> None:
         await self.drift.run_round()
-        self.alerting.feed.drain(10.0)
+        self.alerting.feed.drain(self.budget_s)
 
     def seen(self) -> int:
         """Request-steps the monitor's strata counted for the version (persisted with the baselines)."""
@@ -379,3 +382,86 @@ def test_a_finding_given_up_on_returns_its_stratum_to_the_cusums(redis_server) -
         mine.close()
         theirs.close()
         alerting.store.close()
+
+
+# ---------------------------------------------------------- admission
+
+def _kept_ids(node: Node, ids: list[str]) -> set[str]:
+    """The request ids of one step of ``ids`` that ``node``'s feed keeps (forwards) for the version."""
+    feed = node.alerting.feed
+    rows = [RequestRow(r, i, 6, 1, 6, 3, None, None, 6, 1, 6, 0) for i, r in enumerate(ids)]
+    step = SimpleNamespace(timestamp=time.time(), requests=[SimpleNamespace(domain="")] * len(ids))
+    before = len(feed._buffer)
+    feed.on_rows(SimpleNamespace(limits=LIMITS, worker_id="probe"), step, rows)
+    kept = {ids[o[0]] for o in feed._buffer[-1][3]} if len(feed._buffer) > before else set()
+    if len(feed._buffer) > before:  # take the probe out again: it is not traffic
+        feed.buffered -= len(feed._buffer.pop()[3])
+    return kept
+
+
+async def test_an_owner_short_of_budget_shrinks_the_fleets_sampling_and_keeps_up(redis_server) -> None:
+    """Two writers send far more than the owner's monitor budget feeds: the owner publishes a lower
+    fraction, both writers sample by it (the same request ids), and the evidence lag stops growing."""
+    ids = [f"probe-{i}" for i in range(4000)]
+    # Baselines never complete here, so no calibration (tens of ms, paid back over many rounds) blurs the budget.
+    learning = FAST | {"baseline_steps": 10**9, "baseline_max": 10**9}
+    a, b = (Node(redis_server.url, n, budget_s=0.0005, sample_fraction=0.5, config=learning, admit_every_s=0.0)
+            for n in "ab")
+    try:
+        # Before anything is published both sample at their own fraction.
+        await a.round()
+        await b.round()
+        configured = {r for r in ids if is_sampled(r, 0.5)}
+        assert _kept_ids(a, ids) == _kept_ids(b, ids) == configured
+        a.steps("wa", 5, 0.8)
+        b.steps("wb", 5, 0.8)
+        await rounds([a, b], lambda: Phase.OWNED in (a.phase(), b.phase()), what="an owner")
+        owner = a if a.phase() is Phase.OWNED else b
+        watch = owner.drift.watches[("eagle", "fv1")]
+        lags = []
+        for _ in range(80):
+            a.steps("wa", 40, 0.8, batch=16)
+            b.steps("wb", 40, 0.8, batch=16)
+            await a.round()
+            await b.round()
+            lags.append(watch.lag or 0)
+        other = b if owner is a else a
+        await owner.round()  # publishes (and applies) its latest fraction
+        await other.round()  # reads it
+        published = watch.fraction
+        assert published is not None and published < 0.4, published  # fell well below the configured 0.5
+        for n in (a, b):
+            assert n.drift.sample_fraction(("eagle", "fv1")) == pytest.approx(published)
+        kept_a, kept_b = _kept_ids(a, ids), _kept_ids(b, ids)
+        assert kept_a == kept_b == {r for r in ids if is_sampled(r, published)}
+        assert 0 < len(kept_a) < len(configured)
+        # Bounded lag: over the last 40 rounds (80 entries added) it grows by far less than it is sent.
+        assert max(lags[40:]) - lags[40] < 20, lags
+        assert max(lags) < 80, lags
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_an_unreachable_or_silent_owner_leaves_the_writers_at_their_own_fraction(redis_server) -> None:
+    """No published fraction (nobody owns the version, or what was published lapsed): the configured one."""
+    ids = [f"probe-{i}" for i in range(4000)]
+    a = Node(redis_server.url, "a", sample_fraction=0.5, admit_every_s=0.0, fraction_ttl_s=0.3)
+    lease = a.drift.leases.key(a.drift.lease_name(("eagle", "fv1")))
+    try:
+        with redis.Redis.from_url(redis_server.url) as r:
+            r.set(lease, "elsewhere/0000", px=60_000)  # another replica owns the version, and publishes nothing
+        a.steps("wa", 3, 0.8)
+        for _ in range(3):
+            await a.round()
+        assert a.phase() is Phase.IDLE and not a.alerting.feed.version_thresholds
+        assert _kept_ids(a, ids) == {r for r in ids if is_sampled(r, 0.5)}
+        # A fraction published by an owner that then goes silent lapses after its TTL.
+        with redis.Redis.from_url(redis_server.url) as r:
+            r.set(a.drift.fraction_key(("eagle", "fv1")), "0.125", px=300)
+        await a.round()
+        assert _kept_ids(a, ids) == {r for r in ids if is_sampled(r, 0.125)}
+        await rounds([a], lambda: not a.alerting.feed.version_thresholds, what="the fraction lapsing")
+        assert _kept_ids(a, ids) == {r for r in ids if is_sampled(r, 0.5)}
+    finally:
+        a.close()

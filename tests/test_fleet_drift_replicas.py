@@ -24,8 +24,7 @@ import pytest
 import yaml
 
 from protos.speculation.v1 import controller_pb2
-from tests.redis_support import RedisServer
-from tests.test_replicas import Replica, Watch, Worker, channels, hello, metric, status, until
+from tests.test_replicas import Replica, Watch, Worker, channels, hello, metric, run_fleet, status, until
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 
@@ -40,18 +39,7 @@ def fleet_drift_replica(folder: Path, index: int, url: str) -> Replica:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("fleet-drift")
-    redis = RedisServer(folder / "redis").start()
-    replicas = [fleet_drift_replica(folder / f"r{i}", i, redis.url).start() for i in range(3)]
-    try:
-        for r in replicas:
-            r.wait_ready()
-        yield redis, replicas
-    finally:
-        logs = [r.stop() for r in replicas]
-        redis.stop()
-    for r, text in zip(replicas, logs):
-        assert "Traceback" not in text, f"{r.id}:\n{text[-4000:]}"
+    yield from run_fleet(tmp_path_factory.mktemp("fleet-drift"), fleet_drift_replica)
 
 
 async def monitors(channel: grpc.aio.Channel, version: str) -> list[controller_pb2.DriftMonitorStatus]:

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -111,12 +112,12 @@ class Replica:
         return self.log.read_text()
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory):
-    """A Redis and three replicas, shared by this module's tests."""
-    folder = tmp_path_factory.mktemp("replicas")
+def run_fleet(folder: Path, make_replica: Callable[[Path, int, str], Replica] = Replica):
+    """A Redis and three replicas (``make_replica(folder, index, url)``), for a
+    module fixture to ``yield from``: yields (redis, replicas), then stops them
+    and checks every replica stopped in order."""
     redis = RedisServer(folder / "redis").start()
-    replicas = [Replica(folder / f"r{i}", i, redis.url).start() for i in range(3)]
+    replicas = [make_replica(folder / f"r{i}", i, redis.url).start() for i in range(3)]
     try:
         for r in replicas:
             r.wait_ready()
@@ -126,6 +127,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
         redis.stop()
     for r, text in zip(replicas, logs):  # an orderly stop: a last merge, out of the directory
         assert "Traceback" not in text, f"{r.id}:\n{text[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory):
+    """A Redis and three replicas, shared by this module's tests."""
+    yield from run_fleet(tmp_path_factory.mktemp("replicas"))
 
 
 # ------------------------------------------------------------------ helpers

@@ -130,11 +130,22 @@ class MonitorFeed:
         self.inbound: deque = deque()
         self.inbound_buffered = 0
         self.forwarded = 0
+        # Per drafter version, the fleet-wide hash threshold its monitor's owner published (the fraction its
+        # monitor keeps up with): applied below this replica's own, so every replica keeps the same requests.
+        self.version_thresholds: dict[tuple[str, str], int] = {}
+        self.budget_total_s = 0.0  # CPU seconds of budget handed to drain() so far (the owner's capacity)
+        self.drains = 0
+        self.drains_cut = 0  # drains that ran out of budget with steps still queued: the monitor is the limit
 
     # ------------------------------------------------------------ ingest path
     def on_rows(self, state: Any, step: Any, rows: Sequence[RequestRow]) -> None:
         """``Controller.on_step_rows`` hook: keep the subset's rows of one applied step."""
         threshold = self._threshold
+        if self.version_thresholds:
+            limits = state.limits
+            fleet = self.version_thresholds.get((str(limits.kind), str(limits.version)))
+            if fleet is not None and fleet < threshold:
+                threshold = fleet
         requests = None
         kept = []
         crc32 = zlib.crc32
@@ -170,6 +181,7 @@ class MonitorFeed:
         """
         timer = self._timer
         start = timer()
+        self.budget_total_s += budget_s
         if self.forward is not None and self._buffer:
             self._forward_all()
         allowed = budget_s - self._debt
@@ -199,6 +211,9 @@ class MonitorFeed:
             else:
                 self.inbound_buffered -= done
             self.observed += done
+        self.drains += 1
+        if queue:
+            self.drains_cut += 1
         elapsed = timer() - start
         self._debt = max(0.0, self._debt + elapsed - budget_s)
         self._window_done += done
@@ -223,6 +238,11 @@ class MonitorFeed:
             forwarded += len(kept)
         self.buffered -= forwarded
         self.forwarded += forwarded
+
+    def set_version_fractions(self, fractions: dict[tuple[str, str], float]) -> None:
+        """The fleet-wide sample fraction of each drafter version that has one (``(kind, version)`` keys);
+        a version left out is sampled at this replica's own fraction."""
+        self.version_thresholds = {key: hash_threshold(f) for key, f in fractions.items()}
 
     def push_inbound(self, limits: Any, worker: str, timestamp: float, kept: Sequence[Sequence[Any]],
                      after: Callable[[], None] | None = None) -> None:
@@ -283,6 +303,7 @@ class MonitorFeed:
         return {"sample_fraction": self.fraction, "buffered": self.buffered, "dropped": self.dropped,
                 "observed": self.observed, "errors": self.errors, "forwarded": self.forwarded,
                 "inbound": self.inbound_buffered,
+                "fleet_fractions": {f"{k[0]}/{k[1]}": t / HASH_SPACE for k, t in self.version_thresholds.items()},
                 "us_per_request_step": None if self.cost_s is None else self.cost_s * 1e6}
 
 

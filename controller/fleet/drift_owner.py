@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
+from controller.alerts.alerting import MIN_FRACTION
 from controller.drift.alerts import DriftAlert
 from controller.drift.persistence import (install_version, remove_version, tracked_version, tracked_versions,
                                           version_from_dict, version_to_dict)
@@ -70,8 +71,9 @@ log = logging.getLogger("specctl.fleet")
 CHECKPOINT_FORMAT = 1
 MAX_RETAINED = 64  # versions kept aside after losing their lease
 MAX_WRITERS = 512  # writers remembered per cursor (the most recent)
+BACKLOG_S = 10.0  # a version's evidence lag counts as inflow to be worked off over this long
 
-# KEYS: 1 the lease, 2 the checkpoint; ARGV: 1 holder, 2 checkpoint, 3 its time to live (ms).
+# KEYS: 1 the lease, 2 the checkpoint (or the published fraction); ARGV: 1 holder, 2 value, 3 its time to live (ms).
 CHECKPOINT_LUA = r"""
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
@@ -210,6 +212,13 @@ class VersionWatch:
     last_inbound: float = float("-inf")
     lag: int | None = None
     counts: Counter = field(default_factory=Counter)
+    # Admission (owned): the fleet-wide sample fraction published, and what arrived since the last window.
+    fraction: float | None = None
+    added: int | None = None  # the stream's entries-added when last read
+    added_mark: int | None = None  # ... at the start of the window
+    window_entries: int = 0  # entries read in the window
+    window_outcomes: int = 0  # their outcomes
+    outcomes_per_entry: float | None = None
 
     @property
     def label(self) -> str:
@@ -242,14 +251,41 @@ class FleetDriftMonitor:
         Entries read ahead of the monitor per version (the rest waits in Redis, as lag).
     checkpoint_ttl_s : float
         A checkpoint nobody rewrites expires after this.
+    admit_every_s : float
+        How often the owner works out and publishes each owned version's fleet-wide sample fraction, and
+        every replica reads the published ones.
+    fraction_ttl_s : float or None
+        A published fraction nobody rewrites lapses after this (default ``max(5, 3 × lease_ttl_s)``):
+        replicas then sample at their own ``drift.sample_fraction`` again.
+    min_fraction : float
+        The published fraction's floor.
+    margin : float
+        The share of the owner's monitor budget the inflow is sized to fill.
     monotonic, wall : callable
+
+    Notes
+    -----
+    **Admission.** The owner's monitor is fed within its own ``drift.cpu_fraction``; the replicas'
+    forwarding does not see that budget, so the owner measures it: per window, the monitor budget handed
+    to its feed over the monitor's cost per request-step (request-steps/s it can feed) against the
+    outcomes arriving on its versions' streams (entries added × outcomes per entry, plus the lag to work
+    off over ``BACKLOG_S``). The fraction that makes that inflow fill ``margin`` of the budget, moved at
+    most ×1.5 up or ÷2 down a window, floored at ``min_fraction`` and never above the owner's
+    ``drift.sample_fraction``, is written to ``drift:fraction:<kind>:<version>`` (fenced by the lease,
+    with a TTL). Every replica reads the fractions of the versions it forwards and samples each at
+    ``min(own fraction, published)`` by the same request-id hash, so all keep the same whole requests.
     """
 
     def __init__(self, store: FleetStore, alerting: Any, fleet_alerts: Any = None, *, lease_ttl_s: float = 10.0,
                  checkpoint_interval_s: float = 5.0, maxlen: int = 10_000, max_buffered: int = 50_000,
                  idle_s: float | None = None, read_count: int = 256, max_in_flight: int = 512,
-                 checkpoint_ttl_s: float = 7 * 86400.0, monotonic: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 checkpoint_ttl_s: float = 7 * 86400.0, admit_every_s: float = 1.0,
+                 fraction_ttl_s: float | None = None, min_fraction: float = MIN_FRACTION, margin: float = 0.8,
+                 monotonic: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        if not 0.0 < min_fraction <= 1.0:
+            raise ValueError(f"min_fraction must be in (0, 1], got {min_fraction!r}")
+        if not 0.0 < margin <= 1.0:
+            raise ValueError(f"margin must be in (0, 1], got {margin!r}")
         self.store = store
         self.alerting = alerting
         self.monitor = alerting.monitor
@@ -271,6 +307,15 @@ class FleetDriftMonitor:
         self._write_checkpoint = store.script(CHECKPOINT_LUA)
         self._read_script = store.script(READ_LUA)
         self._last_lease_cycle = float("-inf")
+        self.admit_every_s = admit_every_s
+        self.fraction_ttl_s = fraction_ttl_s if fraction_ttl_s is not None else max(5.0, 3.0 * lease_ttl_s)
+        self.min_fraction = min_fraction
+        self.margin = margin
+        self.fleet_fractions: dict[tuple[str, str], tuple[float, float]] = {}  # version -> (fraction, lapses at)
+        self._last_admission = float("-inf")
+        self._budget_mark = self.feed.budget_total_s
+        self._observed_mark = self.feed.observed
+        self._drains_mark = (self.feed.drains, self.feed.drains_cut)
 
     # ------------------------------------------------------------------ keys
     def lease_name(self, key: tuple[str, str]) -> str:
@@ -278,6 +323,9 @@ class FleetDriftMonitor:
 
     def checkpoint_key(self, key: tuple[str, str]) -> str:
         return self.store.key("drift", "checkpoint", key[0], key[1])
+
+    def fraction_key(self, key: tuple[str, str]) -> str:
+        return self.store.key("drift", "fraction", key[0], key[1])
 
     # ------------------------------------------------------------- lifecycle
     def attach(self) -> None:
@@ -305,6 +353,8 @@ class FleetDriftMonitor:
             await self._ownership(now)
         await self._read()
         await self._checkpoints(force=False)
+        if self.monotonic() - self._last_admission >= self.admit_every_s:
+            await self._admission()
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """At shutdown (after the feed's last drain): send what is queued, checkpoint and release every
@@ -392,6 +442,10 @@ class FleetDriftMonitor:
         watch.phase = Phase.OWNED
         watch.last_inbound = self.monotonic()
         watch.last_checkpoint = float("-inf")  # a checkpoint at once: the fleet's generation moves past any copy
+        published = self.fleet_fractions.get(key)
+        watch.fraction = published[0] if published is not None else None  # go on from the fleet's fraction
+        watch.added = watch.added_mark = None
+        watch.window_entries = watch.window_outcomes = 0
         watch.counts["takeovers"] += 1
         self.counts["takeovers"] += 1
         self.counts["takeovers_from_" + origin] += 1
@@ -438,6 +492,8 @@ class FleetDriftMonitor:
         watch.cursor = None
         watch.in_flight = 0
         watch.lag = None
+        watch.fraction = None
+        watch.added = watch.added_mark = None
         watch.epoch += 1
         watch.counts[why] += 1
         self.counts[why] += 1
@@ -535,6 +591,9 @@ class FleetDriftMonitor:
                     after = self._mover(g, after)
                 self.feed.push_inbound(g.limits, g.worker_id, g.timestamp, g.outcomes, after)
                 watch.counts["outcomes_queued"] += len(g.outcomes)
+                watch.window_outcomes += len(g.outcomes)
+            watch.window_entries += 1
+        watch.added = added
         if entries:
             watch.last_inbound = self.monotonic()
         watch.lag = max(0, added - cursor.entries)
@@ -559,6 +618,110 @@ class FleetDriftMonitor:
             if then is not None:
                 then()
         return moved
+
+    # ------------------------------------------------------------- admission
+    async def _admission(self) -> None:
+        """Publish the owned versions' fleet-wide fractions and read every forwarded version's (on the loop;
+        Redis through the store's threads); hand the feed what applies."""
+        now = self.monotonic()
+        elapsed, self._last_admission = now - self._last_admission, now
+        budget_total = self.feed.budget_total_s
+        budget_s, self._budget_mark = budget_total - self._budget_mark, budget_total
+        observed = self.feed.observed
+        fed, self._observed_mark = observed - self._observed_mark, observed
+        drains, cut = self.feed.drains - self._drains_mark[0], self.feed.drains_cut - self._drains_mark[1]
+        self._drains_mark = (self.feed.drains, self.feed.drains_cut)
+        saturated = drains > 0 and 2 * cut >= drains  # the monitor's budget, not the evidence, ran out
+        publish = self._fractions(elapsed, budget_s, fed, saturated) if elapsed != float("inf") else {}
+        keys = sorted(self.outbox.versions_seen(self.idle_s) | self.watches.keys())
+        try:
+            read = await self.store.offload(lambda: self._exchange(publish, keys))
+        except StoreUnavailable:
+            self.counts["fraction_failures"] += 1
+            read = None
+        now = self.monotonic()
+        if read is not None:
+            for key, fraction in zip(keys, read):
+                if fraction is None:
+                    self.fleet_fractions.pop(key, None)
+                else:
+                    self.fleet_fractions[key] = (fraction, now + self.fraction_ttl_s)
+        # Redis unreachable: what was read holds until it would have lapsed in Redis, then the own fraction.
+        self.fleet_fractions = {k: v for k, v in self.fleet_fractions.items() if v[1] > now}
+        self.feed.set_version_fractions({k: v[0] for k, v in self.fleet_fractions.items()})
+
+    def _fractions(self, elapsed_s: float, budget_s: float, fed: int,
+                   saturated: bool) -> dict[tuple[str, str], float]:
+        """Each owned version's next fraction: its inflow (outcomes/s, at the fraction now in force, plus its
+        lag to work off) scaled so that all owned versions' inflow fills ``margin`` of the monitor's budget.
+
+        When the monitor ran out of budget with evidence left (``saturated``), its capacity is what it fed
+        in the window (what forwarding this replica's own steps took of the budget is accounted for) and
+        the fraction moves to fit it. Otherwise it kept up: the fraction only grows, by at most ×1.1 a
+        window, and no further than the budget over the measured cost per request-step affords."""
+        ceiling = self.feed.max_fraction
+        cost = self.feed.cost_s
+        demand: dict[tuple[str, str], float] = {}
+        owned = [w for w in self.watches.values() if w.phase is Phase.OWNED and w.cursor is not None]
+        for w in owned:
+            if w.window_entries:
+                per_entry = w.window_outcomes / w.window_entries
+                w.outcomes_per_entry = per_entry if w.outcomes_per_entry is None else (
+                    0.5 * w.outcomes_per_entry + 0.5 * per_entry)
+            w.window_entries = w.window_outcomes = 0
+            arrived = None if w.added is None or w.added_mark is None else max(0, w.added - w.added_mark)
+            w.added_mark = w.added
+            if arrived is None or w.outcomes_per_entry is None:
+                continue  # a first window: nothing measured yet
+            demand[w.key] = w.outcomes_per_entry * (arrived / elapsed_s + (w.lag or 0) / BACKLOG_S)
+        if elapsed_s <= 0.0:
+            return {w.key: w.fraction for w in owned if w.fraction is not None}  # keep it alive, unchanged
+        total = sum(demand.values())
+        if saturated:
+            capacity = fed / elapsed_s  # request-steps/s the monitor is fed within its budget
+            scale = self.margin * capacity / total if total > 0.0 else 1.0
+        else:
+            capacity = budget_s / cost / elapsed_s if cost and budget_s > 0.0 else float("inf")
+            scale = min(1.1, max(1.0, self.margin * capacity / total if total > 0.0 else 1.1))
+        out = {}
+        for w in owned:
+            current = w.fraction if w.fraction is not None else ceiling
+            if w.key in demand:
+                target = min(ceiling, 1.5 * current, max(current * scale, current / 2.0, self.min_fraction))
+                if target != current:
+                    log.debug("drift monitor of %s: inflow %.0f/s for %.0f/s of budget, fleet fraction %.4f -> %.4f",
+                              w.label, demand[w.key], capacity, current, target)
+                    w.counts["fraction_changes"] += 1
+                current = target
+            w.fraction = max(self.min_fraction, min(ceiling, current))
+            out[w.key] = w.fraction
+        return out
+
+    def _exchange(self, publish: dict[tuple[str, str], float], keys: list[tuple[str, str]]) -> list[float | None]:
+        """Write the owned versions' fractions (only while the lease is ours in Redis), read every listed
+        version's (a store thread)."""
+        ttl_ms = int(self.fraction_ttl_s * 1000)
+        for key, fraction in publish.items():
+            lease_key, fraction_key = self.leases.key(self.lease_name(key)), self.fraction_key(key)
+            ok = self.store.call("drift_fraction", lambda r, lk=lease_key, fk=fraction_key, f=fraction:
+                                 self._write_checkpoint(keys=[lk, fk], args=[self.leases.holder, repr(f), ttl_ms],
+                                                        client=r))
+            self.counts["fractions_published" if ok else "fractions_refused"] += 1
+        if not keys:
+            return []
+        raw = self.store.call("drift_fraction", lambda r: r.mget([self.fraction_key(k) for k in keys]))
+        out: list[float | None] = []
+        for value in raw:
+            try:
+                fraction = float(value) if value is not None else None
+            except ValueError:
+                fraction = None
+            if fraction is not None and not 0.0 < fraction <= 1.0:
+                fraction = None
+            if fraction is None and value is not None:
+                self.counts["fractions_unreadable"] += 1
+            out.append(fraction)
+        return out
 
     # ----------------------------------------------------------- checkpoints
     async def _checkpoints(self, force: bool, timeout_s: float | None = None) -> None:
@@ -617,9 +780,16 @@ class FleetDriftMonitor:
                 "evidence_queued": queued.get(key, 0),
                 "checkpoint_age_s": (self.wall() - watch.checkpoint_at) if owned and watch.checkpoint_at else -1.0,
                 "entries_lost": watch.counts.get("entries_lost", 0) + watch.counts.get("entries_trimmed", 0),
+                "sample_fraction": self.sample_fraction(key),
                 "counts": dict(watch.counts),
             })
         return out
+
+    def sample_fraction(self, key: tuple[str, str]) -> float:
+        """The share of requests this replica forwards of ``key``'s: its own fraction, or the fleet's if lower."""
+        published = self.fleet_fractions.get(key)
+        own = self.feed.max_fraction
+        return min(own, published[0]) if published is not None else own
 
     def stats(self) -> dict[str, Any]:
         return {"counts": dict(self.counts), "outbox": self.outbox.stats(), "leases": self.leases.stats(),

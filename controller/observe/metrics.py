@@ -310,12 +310,19 @@ def _fleet_drift(drift: dict[str, Any]) -> Iterable[Metric]:
     lag = GaugeMetricFamily("specctl_fleet_drift_evidence_lag",
                             "Entries of the version's evidence stream not yet fed to its monitor (its owner only).",
                             labels=labels[:2])
+    fraction = GaugeMetricFamily("specctl_fleet_drift_sample_fraction",
+                                 "Share of requests this replica forwards to the version's drift monitor: its own "
+                                 "drift.sample_fraction, or the lower one the monitor's owner published.",
+                                 labels=labels[:2])
     for d in drift["versions"]:
         owned.add_metric([d["drafter_kind"], d["drafter_version"], d["owner"]], 1.0 if d["owned_here"] else 0.0)
         if d["owned_here"]:
             lag.add_metric([d["drafter_kind"], d["drafter_version"]], d["evidence_lag"])
+        if "sample_fraction" in d:
+            fraction.add_metric([d["drafter_kind"], d["drafter_version"]], d["sample_fraction"])
     yield owned
     yield lag
+    yield fraction
     outbox = drift["outbox"]
     sent = CounterMetricFamily("specctl_fleet_drift_evidence_total",
                                "Sampled request-step outcomes of this replica's workers on their way to the drift "
