@@ -62,6 +62,21 @@ def test_next_state_and_the_proto_values_agree() -> None:
         DEFAULT, AFTER_MISS, AFTER_HIT, DEFAULT, DEFAULT, AFTER_HIT]
 
 
+def test_the_inline_copies_of_the_state_rule_agree_with_next_state() -> None:
+    """The agent's tracker and the controller's ingest inline next_state (they
+    run per request-step); over every (depth, accepted) both must give what it does."""
+    pairs = [(d, a) for d in range(0, 9) for a in range(0, d + 1)]
+    tracker = OutcomeTracker()
+    tracker.observe(step(1, *(req(f"r{d}-{a}", d, a) for d, a in pairs)))
+    ctl = Controller(ServerConfig(), load_preset("static"), clock=lambda: 0.0)
+    state = ctl.hello(make_hello("w-rule", max_depth=8))
+    _feed(ctl, state, [[(f"r{d}-{a}", d, a) for d, a in pairs]])
+    for d, a in pairs:
+        rid = f"r{d}-{a}"
+        assert tracker.state(rid) == next_state(d, a), (d, a)
+        assert state.requests.last_outcome[rid] == next_state(d, a), (d, a)
+
+
 def test_tracker_is_bounded_and_forgets_finished_requests() -> None:
     tracker = OutcomeTracker(max_requests=100)
     tracker.observe(step(1, *[req(f"r{i}", 2, 0) for i in range(150)]))
