@@ -13,8 +13,11 @@ Processes (``multiprocessing`` spawn; every one is stopped in ``finally``):
   CPU time and event-loop lag; ``SPECCTL_BENCH_PROFILE=1`` also runs cProfile
   in it (``controller.prof`` + ``controller_profile.txt`` next to the JSON;
   numbers of a profiled run are slowed by the profiler).
-- the **load generator**: ``workers`` simulated workers on one grpc.aio event
-  loop, over a few channels (≈32 streams each). Each sends Hello, then every
+- the **load generators**: ``workers`` simulated workers spread over
+  ``generators`` processes (default one per 32 workers, ``WORKERS_PER_GENERATOR``),
+  each a grpc.aio event loop with its workers' streams on one channel per 32
+  streams. The processes start their load on one common wall-clock schedule;
+  the first one opens and closes the measured window. Each sends Hello, then every
   flush interval of the real agent a ``StepReports`` with the steps due at ``steps_per_s``
   (≈8 requests per step, chain depth 3, per-request context lengths that grow
   as tokens are generated, request ids that rotate with a ``RequestFinished``
@@ -41,13 +44,24 @@ Measurements:
   controller built it). It excludes the ACK trip and includes the
   controller's push decision, its send queue, the wait for the stream's
   previous write to complete, gRPC, and the generator's own scheduling
-  delay. ``PlanDesk.updates`` stamps ``created_at`` right *after* the policy
-  ran, so the policy's own compute (``run_policy_ms_mean``) is not part of
-  it, but every other policy run and ingest batch the loop does before the
-  plan's bytes leave is.
+  delay (kept small by the few workers per generator: with all 256 on one
+  loop, a plan's receipt waited behind the other workers' encoding and
+  sends, time a real worker never spends). ``PlanDesk.updates`` stamps
+  ``created_at`` once the policy ran and its table was judged worth
+  sending (the hysteresis), so the policy's own compute
+  (``run_policy_ms_mean``) is not part of it, but every other policy run
+  and ingest batch the loop does before the plan's bytes leave is.
   RequestDecisions carry no timestamp; the controller's send→ACK round trip
   (``PlanLedger.plan_push_ms``, both kinds) is reported as
   ``plan_ack_rtt_ms_p50/p99``.
+- ``controller_reads_yielded_to_plans``: stream reads that let a queued
+  plan's writer go first (``SpeculationControllerServicer.reads_yielded``).
+- ``controller_gc``: the controller process's garbage collections during
+  its phase per generation (count, total and longest ms), collections held
+  while a plan was on its way (``gc.hold_during_plan_push``), objects frozen
+  (``gc.freeze_after_start``); ``controller.server_gc_share``: share of the
+  window the collector stopped the loop. ``SPECCTL_BENCH_CONFIG=FILE`` runs
+  the controller with that config file (e.g. other ``gc:`` settings).
 - ``controller_plans_deferred``: rotation turns the controller put off
   because the worker's stream was still writing its previous message
   (``SpeculationControllerServicer.plans_deferred``; such a worker is planned
@@ -91,6 +105,11 @@ FLUSH_S = AgentOptions().flush_interval_s  # telemetry batching period, as the r
 MAX_STEPS_PER_MESSAGE = 64  # as AgentOptions.max_steps_per_message
 QUEUE_STEPS = 4096  # as AgentOptions.queue_size
 STREAMS_PER_CHANNEL = 32
+# Simulated workers per load-generator process. Plan receipt is stamped by the
+# generator's event loop, which also encodes its workers' telemetry: with all
+# 256 workers on one loop a plan waited there behind the other workers'
+# sends (tens of ms on a busy machine), time a real worker's agent never spends.
+WORKERS_PER_GENERATOR = 32
 CHAIN_DEPTH = 3
 ALPHA = 0.75  # per-position chain acceptance of the simulated drafter
 STATUS_TIMEOUT_S = 15.0
@@ -109,6 +128,15 @@ JSON_KEYS = ("workers", "steps_per_s_offered", "steps_per_s_ingested", "plan_pus
 
 class BenchError(RuntimeError):
     pass
+
+
+def default_generators(workers: int) -> int:
+    """Load-generator processes for ``workers`` simulated workers.
+
+    >>> default_generators(256), default_generators(8), default_generators(33)
+    (8, 1, 2)
+    """
+    return max(1, math.ceil(workers / WORKERS_PER_GENERATOR))
 
 
 # ------------------------------------------------------------ wire encoding
@@ -249,6 +277,9 @@ class WireLoadWorker:
 
 @dataclass
 class PhaseConfig:
+    """One phase for one load-generator process: its share of the workers
+    (indices ``shard``, ``shard + shards``, ...) against ``target``."""
+
     name: str
     target: str
     workers: int
@@ -256,10 +287,21 @@ class PhaseConfig:
     warmup_s: float
     duration_s: float
     seed: int = 0
+    shard: int = 0
+    shards: int = 1
+
+    @property
+    def indices(self) -> range:
+        return range(self.shard, self.workers, self.shards)
+
+    @property
+    def measures(self) -> bool:
+        """The first generator opens and closes the measured window (GetStatus at both edges)."""
+        return self.shard == 0
 
     @property
     def channels(self) -> int:
-        return max(1, min(16, math.ceil(self.workers / STREAMS_PER_CHANNEL)))
+        return max(1, min(16, math.ceil(len(self.indices) / STREAMS_PER_CHANNEL)))
 
 
 @dataclass
@@ -369,13 +411,20 @@ async def _worker(w: WireLoadWorker, call, st: GenStats, plans: list, load_t0: f
         call.cancel()
 
 
-async def run_phase(cfg: PhaseConfig, report: Callable[[dict], None]) -> dict:
-    """Drive ``cfg.workers`` streams against ``cfg.target``; return the measurements."""
+async def run_phase(cfg: PhaseConfig, report: Callable[[dict], None],
+                    start: Callable[[], Any] | None = None, stopped: Callable[[], Any] | None = None) -> dict:
+    """Drive this generator's share of ``cfg.workers`` streams against ``cfg.target``; return the measurements.
+
+    ``start``: awaited once the channels are connected; it returns the wall
+    time (``time.time()``) at which every generator process starts its load,
+    so that several processes share one schedule. ``stopped``: awaited by a
+    generator that does not measure the window (``cfg.measures`` false) to
+    learn when to stop; without it that generator stops at the window's end.
+    """
     loop = asyncio.get_running_loop()
     options = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per channel
     channels = [grpc.aio.insecure_channel(cfg.target, options=options) for _ in range(cfg.channels)]
-    status_channel = grpc.aio.insecure_channel(cfg.target, options=options)
-    get_status = status_channel.unary_unary(GET_STATUS)
+    status_channel = grpc.aio.insecure_channel(cfg.target, options=options) if cfg.measures else None
     st = GenStats()
     plans: list[tuple[float, float]] = []
     send_log: list[tuple[float, int, float]] = []  # (wall time, cumulative steps sent, process CPU s)
@@ -385,12 +434,14 @@ async def run_phase(cfg: PhaseConfig, report: Callable[[dict], None]) -> dict:
     workers: list[WireLoadWorker] = []
     wall_t0 = time.time()
     result: dict[str, Any] = {"phase": cfg.name}
+    every = channels + ([status_channel] if status_channel is not None else [])
     try:
-        await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels + [status_channel])), 30)
-        workers = [WireLoadWorker(i, cfg.steps_per_s, cfg.seed) for i in range(cfg.workers)]
+        await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in every)), 30)
+        workers = [WireLoadWorker(i, cfg.steps_per_s, cfg.seed) for i in cfg.indices]
         connects = [ch.stream_stream(CONNECT) for ch in channels]
-        load_t0 = loop.time()
-        wall_t0 = time.time()
+        start_wall = await start() if start is not None else time.time()
+        load_t0 = loop.time() + max(0.0, start_wall - time.time())
+        wall_t0 = max(start_wall, time.time())
         for i, w in enumerate(workers):
             call = connects[i % len(connects)]()
             tasks.append(asyncio.create_task(_worker(w, call, st, plans, load_t0, stop)))
@@ -410,42 +461,116 @@ async def run_phase(cfg: PhaseConfig, report: Callable[[dict], None]) -> dict:
 
         tasks.append(asyncio.create_task(log_sends()))
         tasks.append(asyncio.create_task(progress()))
-        # The window is on the generator's clock; the GetStatus calls run beside
-        # the load (an overloaded controller may answer late, or not at all).
-        await asyncio.sleep(max(0.0, load_t0 + cfg.warmup_s - loop.time()))
-        result["window_wall"] = [time.time()]
-        before = asyncio.create_task(_status_safe(get_status))
-        await asyncio.sleep(max(0.0, load_t0 + cfg.warmup_s + cfg.duration_s - loop.time()))
-        result["window_wall"].append(time.time())
-        after = asyncio.create_task(_status_safe(get_status))
-        await asyncio.wait([before, after], timeout=STATUS_TIMEOUT_S)  # the load goes on meanwhile
-        result.update(before=_result_or_error(before), after=_result_or_error(after))
+        if not cfg.measures:
+            if stopped is not None:
+                await stopped()
+            else:
+                await asyncio.sleep(max(0.0, load_t0 + cfg.warmup_s + cfg.duration_s - loop.time()))
+        else:
+            # The window is on the generator's clock; the GetStatus calls run beside
+            # the load (an overloaded controller may answer late, or not at all).
+            get_status = status_channel.unary_unary(GET_STATUS)
+            await asyncio.sleep(max(0.0, load_t0 + cfg.warmup_s - loop.time()))
+            result["window_wall"] = [time.time()]
+            before = asyncio.create_task(_status_safe(get_status))
+            await asyncio.sleep(max(0.0, load_t0 + cfg.warmup_s + cfg.duration_s - loop.time()))
+            result["window_wall"].append(time.time())
+            after = asyncio.create_task(_status_safe(get_status))
+            await asyncio.wait([before, after], timeout=STATUS_TIMEOUT_S)  # the load goes on meanwhile
+            result.update(before=_result_or_error(before), after=_result_or_error(after))
     finally:
         stop.set()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for ch in channels + [status_channel]:
+        for ch in every:
             await ch.close(grace=None)
+    send_log.append((time.time(), st.sent_steps, time.process_time()))
     result.update(asdict(st), plans_created_received=plans, send_log=send_log, loop_lag_ms=lags,
                   channels=cfg.channels, wall_t0=wall_t0,
                   dropped_steps=sum(w.dropped for w in workers), produced_steps=sum(w.produced for w in workers))
     return result
 
 
+def merge_generator_results(results: list[dict]) -> dict:
+    """One phase result from each generator process's (the first one measured the window).
+
+    Counters add up, plans and lag samples are pooled, and the send logs
+    (cumulative steps sent and process CPU seconds) are summed on the first
+    generator's 50 ms grid, so the phase reads like one generator's.
+
+    >>> a = {"sent_steps": 10, "plans_created_received": [(1.0, 1.001)], "loop_lag_ms": [0.5],
+    ...      "send_log": [(0.0, 0, 0.0), (1.0, 10, 0.1)], "error_times": [], "last_error": "",
+    ...      "last_rejection": "", "channels": 1, "wall_t0": 0.0, "window_wall": [0.2, 0.8]}
+    >>> b = dict(a, sent_steps=20, send_log=[(0.0, 0, 0.0), (0.5, 5, 0.1), (2.0, 20, 0.4)],
+    ...          plans_created_received=[(1.5, 1.502)])
+    >>> del b["window_wall"]
+    >>> m = merge_generator_results([a, b])
+    >>> m["sent_steps"], m["generators"], len(m["plans_created_received"]), m["window_wall"]
+    (30, 2, 2, [0.2, 0.8])
+    >>> m["send_log"][-1]  # at t = 1.0: 10 + 10 steps (b interpolated), 0.1 + 0.2 CPU s
+    (1.0, 20.0, 0.3)
+    """
+    first = results[0]
+    merged = dict(first)
+    for key, value in first.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            merged[key] = sum(r.get(key, 0) for r in results)
+    for key in ("plans_created_received", "loop_lag_ms", "error_times"):
+        merged[key] = [x for r in results for x in r.get(key, [])]
+    merged["error_times"].sort()
+    for key in ("last_error", "last_rejection"):
+        merged[key] = next((r[key] for r in results if r.get(key)), "")
+    merged["send_log"] = [(t, sum(_interp(r["send_log"], t, 1) for r in results),
+                           round(sum(_interp(r["send_log"], t, 2) for r in results), 9))
+                          for t, _, _ in first["send_log"]]
+    merged["generators"] = len(results)
+    return merged
+
+
+async def _recv(conn) -> tuple[str, Any]:
+    """The next message from the parent, read without blocking the event loop."""
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+    loop.add_reader(conn.fileno(), ready.set)
+    try:
+        while not conn.poll():
+            await ready.wait()
+            ready.clear()
+    finally:
+        loop.remove_reader(conn.fileno())
+    return conn.recv()
+
+
 def generator_child(conn) -> None:
-    """``multiprocessing`` target: run phases on command until told to stop."""
+    """``multiprocessing`` target: run phases on command until told to stop.
+
+    Per phase: ``("run", cfg)`` in, ``("armed", None)`` out once connected,
+    ``("go", start_wall)`` in, progress out, and for a generator that does
+    not measure the window ``("stop", None)`` in; then ``("result", ...)`` out."""
     try:
         while True:
             cmd, payload = conn.recv()
             if cmd != "run":
                 break
             cfg = PhaseConfig(**payload)
-            deadline = cfg.warmup_s + cfg.duration_s + 2 * STATUS_TIMEOUT_S + 60.0
+            deadline = READY_TIMEOUT_S + cfg.warmup_s + cfg.duration_s + 2 * STATUS_TIMEOUT_S + 60.0
+
+            async def start() -> float:
+                conn.send(("armed", None))
+                kind, start_wall = await _recv(conn)
+                if kind != "go":
+                    raise BenchError(f"expected go, got {kind!r}")
+                return start_wall
+
+            async def stopped() -> None:
+                await _recv(conn)
+
             try:
-                result = asyncio.run(asyncio.wait_for(run_phase(cfg, lambda p: conn.send(("progress", p))), deadline))
+                result = asyncio.run(asyncio.wait_for(
+                    run_phase(cfg, lambda p: conn.send(("progress", p)), start, stopped), deadline))
             except Exception as err:  # noqa: BLE001 - reported to the parent
-                conn.send(("error", f"load generator, phase {cfg.name}: {type(err).__name__}: {err}"))
+                conn.send(("error", f"load generator {cfg.shard}, phase {cfg.name}: {type(err).__name__}: {err}"))
                 continue
             conn.send(("result", result))
     except (EOFError, OSError, KeyboardInterrupt):
@@ -500,12 +625,30 @@ class SectionTimers:
         return out
 
 
-async def _controller_main(conn, profile_dir: str | None) -> None:
-    from controller.config import ServerConfig, StoreSettings
+def bench_server_config(config_path: str | None = None):
+    """The controller phase's config: the defaults (or the file ``config_path``,
+    e.g. to compare ``gc:`` settings), a free loopback port, and a drift store of
+    its own: nothing learned by another run on this folder comes back."""
+    from controller.config import ServerConfig, StoreSettings, load_config
+
+    base = load_config(config_path) if config_path else ServerConfig()
+    return base.model_copy(update={"listen": "127.0.0.1:0", "store": StoreSettings(path="")})
+
+
+def _gc_counters() -> dict:
+    from controller.observe.metrics_gc import gc_pauses
+
+    snap = gc_pauses().snapshot()
+    return {"gc_s": sum(snap["seconds"]), "gc_full": snap["collections"][2]}
+
+
+async def _controller_main(conn, profile_dir: str | None, config_path: str | None = None) -> None:
+    from controller.observe.metrics_gc import gc_pauses
     from controller.server import start_server
 
-    # Default config, but a store of its own: nothing learned by another run on this folder comes back.
-    running = await start_server(ServerConfig(listen="127.0.0.1:0", store=StoreSettings(path="")), "127.0.0.1:0")
+    # The child is the controller's own process: the config's gc section applies to it, as in specctl serve.
+    running = await start_server(bench_server_config(config_path), "127.0.0.1:0", tune_gc=True)
+    gc_at_ready = gc_pauses().snapshot()
     loop_errors: list[str] = []
 
     def on_loop_error(loop, context) -> None:
@@ -516,16 +659,18 @@ async def _controller_main(conn, profile_dir: str | None) -> None:
     ctl = running.controller
     timers = SectionTimers(ctl)
     workers = ctl.workers
-    sampler = Sampler(lambda: {"steps": sum(s.steps_ingested for s in workers.values()), **timers.snapshot()})
+    sampler = Sampler(lambda: {"steps": sum(s.steps_ingested for s in workers.values()), **timers.snapshot(),
+                               **_gc_counters()})
     sampler_task = asyncio.create_task(sampler.run())
     profiler = cProfile.Profile() if profile_dir else None
     conn.send(("ready", running.port))
     if profiler is not None:
         profiler.enable()
-    open_streams, queue_dropped, plans_deferred, drift = 0, 0, 0, None
+    open_streams, queue_dropped, plans_deferred, reads_yielded, drift = 0, 0, 0, 0, None
     try:
         await wait_for_stop(conn)
         plans_deferred = running.servicer.plans_deferred
+        reads_yielded = running.servicer.reads_yielded
         open_streams = len(running.servicer.streams)
         queue_dropped = sum(s.dropped for s in running.servicer.streams.values())
         drift = running.alerting.stats() if running.alerting is not None else None
@@ -534,11 +679,13 @@ async def _controller_main(conn, profile_dir: str | None) -> None:
             profiler.disable()
         sampler_task.cancel()
         sampler.sample(0.0)
+        gc_at_stop = gc_pauses().snapshot()
         await running.stop(0)
     stats = {"samples": sampler.samples, "peak_rss_mb": peak_rss_mb(), "ack_rtt": timers.ack_rtt,
              "policy": ctl.policy.name, "rejections": {int(k): v for k, v in ctl.rejections.items()},
              "workers": len(workers), "steps": sum(s.steps_ingested for s in workers.values()),
              "send_queue_dropped": queue_dropped, "plans_deferred": plans_deferred,
+             "reads_yielded": reads_yielded, "gc": _gc_summary(gc_at_ready, gc_at_stop),
              "open_streams_at_stop": open_streams, "loop_errors": loop_errors[:20],
              "loop_error_count": len(loop_errors), "drift_monitor": drift}
     if profiler is not None:
@@ -552,10 +699,19 @@ async def _controller_main(conn, profile_dir: str | None) -> None:
     conn.send(("stats", stats))
 
 
-def controller_child(conn, profile_dir: str | None = None) -> None:
+def _gc_summary(before: dict, after: dict) -> dict:
+    """Collections per generation between two ``GcPauses.snapshot()``s: count, total and longest ms
+    (the longest over the process's life), the held collections and the settings in force."""
+    return {"collections": [a - b for a, b in zip(after["collections"], before["collections"])],
+            "total_ms": [(a - b) * 1000.0 for a, b in zip(after["seconds"], before["seconds"])],
+            "longest_ms": [x * 1000.0 for x in after["longest_s"]], "holds": after["holds"] - before["holds"],
+            "frozen_objects": after["frozen"], "thresholds": after["thresholds"]}
+
+
+def controller_child(conn, profile_dir: str | None = None, config_path: str | None = None) -> None:
     """``multiprocessing`` target: the real controller until the parent says stop."""
     try:
-        asyncio.run(_controller_main(conn, profile_dir))
+        asyncio.run(_controller_main(conn, profile_dir, config_path))
     except Exception as err:  # noqa: BLE001 - reported, then exit non-zero
         try:
             conn.send(("error", f"controller: {type(err).__name__}: {err}"))
@@ -716,6 +872,10 @@ def summarize_phase(res: dict, server: dict) -> dict:
         share = _sample_window(samples, t0, t1, f"s_{name}")
         if share is not None:
             sections[name] = {"cpu_share": share, "calls_per_s": _sample_window(samples, t0, t1, f"n_{name}")}
+    gc_share = _sample_window(samples, t0, t1, "gc_s")
+    if gc_share is not None:
+        out["server_gc_share"] = gc_share  # of wall time in the window, the loop stopped by the collector
+        out["server_gc_full_per_s"] = _sample_window(samples, t0, t1, "gc_full")
     if sections:
         out["sections"] = sections
         d_steps = _sample_window(samples, t0, t1, "steps")
@@ -817,38 +977,89 @@ def _expect(conn, proc, kind: str, timeout_s: float) -> Any:
     raise BenchError(f"{proc.name} sent no {kind!r} within {timeout_s:.0f} s")
 
 
-def _run_phase(ctx, gen, gen_conn, name: str, server_target, server_args: tuple, cfg: dict, progress, task) -> tuple[dict, dict]:
+@dataclass
+class Generator:
+    """One load-generator process and the parent's end of its pipe."""
+
+    proc: Any
+    conn: Any
+
+
+def _start_generators(ctx, count: int) -> list[Generator]:
+    gens = []
+    for k in range(count):
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=generator_child, args=(child,), name=f"specctl-bench-generator-{k}", daemon=True)
+        gens.append(Generator(proc, conn))
+        proc.start()
+        child.close()
+    return gens
+
+
+def _stop_generators(gens: list[Generator]) -> None:
+    for g in gens:
+        try:
+            g.conn.send(("stop", None))
+        except (OSError, ValueError):
+            pass
+    for g in gens:
+        _stop_process(g.proc)
+        g.conn.close()
+
+
+def _run_phase(ctx, gens: list[Generator], name: str, server_target, server_args: tuple, cfg: dict, progress,
+               task) -> tuple[dict, dict]:
+    """One server child and every generator through one phase; the generators'
+    results merged (:func:`merge_generator_results`) and the server's stats."""
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=server_target, args=(child, *server_args), name=f"specctl-bench-{name}", daemon=True)
     proc.start()
     child.close()
     try:
         port = _expect(parent, proc, "ready", READY_TIMEOUT_S)
-        gen_conn.send(("run", dict(cfg, name=name, target=f"127.0.0.1:{port}")))
+        for k, g in enumerate(gens):
+            g.conn.send(("run", dict(cfg, name=name, target=f"127.0.0.1:{port}", shard=k, shards=len(gens))))
+        for g in gens:
+            _expect(g.conn, g.proc, "armed", READY_TIMEOUT_S)
+        # A common start a little ahead, so every generator's first tick is on the same schedule.
+        start_wall = time.time() + 0.2
+        for g in gens:
+            g.conn.send(("go", start_wall))
         total = cfg["warmup_s"] + cfg["duration_s"]
         deadline = time.monotonic() + total + 2 * STATUS_TIMEOUT_S + 90.0
-        result = None
-        while result is None:
+        results: dict[int, dict] = {}
+        latest: dict[int, dict] = {}
+        while len(results) < len(gens):
             if time.monotonic() > deadline:
-                raise BenchError(f"phase {name}: the load generator did not finish in time")
-            if not gen_conn.poll(0.25):
-                if not gen.is_alive():
-                    raise BenchError(f"load generator exited with code {gen.exitcode}")
+                raise BenchError(f"phase {name}: the load generators did not finish in time")
+            if not any(g.conn.poll() for g in gens):
+                time.sleep(0.05)
+                for g in gens:
+                    if not g.proc.is_alive():
+                        raise BenchError(f"{g.proc.name} exited with code {g.proc.exitcode}")
                 if not proc.is_alive():
                     raise BenchError(f"{proc.name} exited with code {proc.exitcode}")
                 continue
-            kind, payload = gen_conn.recv()
-            if kind == "progress":
-                progress.update(task, completed=min(payload["elapsed"], total),
-                                description=f"{name}: {payload['sent']:,} steps sent, {payload['plans']:,} plans")
-            elif kind == "result":
-                result = payload
-            elif kind == "error":
-                raise BenchError(payload)
+            for k, g in enumerate(gens):
+                while k not in results and g.conn.poll():
+                    kind, payload = g.conn.recv()
+                    if kind == "progress":
+                        latest[k] = payload
+                        sent = sum(p["sent"] for p in latest.values())
+                        plans = sum(p["plans"] for p in latest.values())
+                        progress.update(task, completed=min(latest.get(0, payload)["elapsed"], total),
+                                        description=f"{name}: {sent:,} steps sent, {plans:,} plans")
+                    elif kind == "result":
+                        results[k] = payload
+                        if k == 0:  # the window is measured: the others stop now
+                            for other in gens[1:]:
+                                other.conn.send(("stop", None))
+                    elif kind == "error":
+                        raise BenchError(payload)
         progress.update(task, completed=total)
         parent.send(("stop", None))
         stats = _expect(parent, proc, "stats", 60.0)
-        return result, stats
+        return merge_generator_results([results[k] for k in range(len(gens))]), stats
     finally:
         _stop_process(proc, parent)
         parent.close()
@@ -857,8 +1068,13 @@ def _run_phase(ctx, gen, gen_conn, name: str, server_target, server_args: tuple,
 def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duration_s: float = 10.0,
                          steps_per_s: float = 50.0, *, warmup_s: float | None = None,
                          profile: bool | None = None, decide_batches: int = 20, decide_calls: int = 10_000,
-                         console=None) -> int:
+                         generators: int | None = None, config: str | None = None, console=None) -> int:
     """Run the benchmark; write ``controller.json`` and ``controller.png`` into ``out_dir``.
+
+    ``generators``: load-generator processes (default
+    :func:`default_generators`: one per ``WORKERS_PER_GENERATOR`` workers).
+    ``config``: a controller config file for the controller phase (default:
+    ``SPECCTL_BENCH_CONFIG`` if set, else the defaults).
 
     Returns 0 when the benchmark ran (goals met or not: they are reported),
     1 when it could not run.
@@ -867,38 +1083,45 @@ def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duratio
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console()
-    if workers < 1 or duration_s <= 0 or steps_per_s <= 0:
+    generators = default_generators(workers) if generators is None else generators
+    if workers < 1 or duration_s <= 0 or steps_per_s <= 0 or not 1 <= generators <= workers:
         console.print(f"[red]specctl bench controller: workers={workers}, duration={duration_s}, "
-                      f"steps_per_s={steps_per_s} must be positive")
+                      f"steps_per_s={steps_per_s} must be positive and generators={generators} in 1..workers")
         return 2
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if profile is None:
         profile = os.environ.get("SPECCTL_BENCH_PROFILE", "") not in ("", "0")
+    config = config or os.environ.get("SPECCTL_BENCH_CONFIG") or None
+    if config is not None:
+        try:
+            bench_server_config(config)
+        except (ValueError, OSError) as err:  # ConfigError names the field and the value
+            console.print(f"[red]specctl bench controller: {err}")
+            return 2
     warmup = warmup_s if warmup_s is not None else min(2.0, max(0.5, duration_s / 5))
     cfg = {"workers": workers, "steps_per_s": steps_per_s, "warmup_s": warmup, "duration_s": duration_s}
     ctx = mp.get_context("spawn")
     load_before = os.getloadavg()
     phase_s: dict[str, float] = {}
     started = time.monotonic()
-    gen_conn, gen_child_conn = ctx.Pipe()
-    gen = ctx.Process(target=generator_child, args=(gen_child_conn,), name="specctl-bench-generator", daemon=True)
+    gens: list[Generator] = []
     try:
-        gen.start()
-        gen_child_conn.close()
+        gens = _start_generators(ctx, generators)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=console, transient=False) as progress:
             t_bare = progress.add_task("bare gRPC echo", total=warmup + duration_s)
             t_ctl = progress.add_task("controller", total=warmup + duration_s, start=True)
             t_dec = progress.add_task("agent.decide", total=decide_batches)
             t = time.monotonic()
-            bare_res, bare_srv = _run_phase(ctx, gen, gen_conn, "bare", echo_child, (), cfg, progress, t_bare)
+            bare_res, bare_srv = _run_phase(ctx, gens, "bare", echo_child, (), cfg, progress, t_bare)
             phase_s["bare"] = time.monotonic() - t
             t = time.monotonic()
-            ctl_res, ctl_srv = _run_phase(ctx, gen, gen_conn, "controller", controller_child,
-                                          (str(out) if profile else None,), cfg, progress, t_ctl)
+            ctl_res, ctl_srv = _run_phase(ctx, gens, "controller", controller_child,
+                                          (str(out) if profile else None, config), cfg, progress, t_ctl)
             phase_s["controller"] = time.monotonic() - t
-            _stop_process(gen, gen_conn)
+            _stop_generators(gens)
+            gens = []
             t = time.monotonic()
             decide_us = bench_agent_decide(batches=decide_batches, calls=decide_calls)
             decide_classes_us = bench_agent_decide(batches=decide_batches, calls=decide_calls, classes=True)
@@ -908,8 +1131,7 @@ def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duratio
         console.print(f"[red]specctl bench controller: {err}")
         return 1
     finally:
-        _stop_process(gen, gen_conn)
-        gen_conn.close()
+        _stop_generators(gens)
 
     bare = summarize_phase(bare_res, bare_srv)
     ctl = summarize_phase(ctl_res, ctl_srv)
@@ -934,6 +1156,7 @@ def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duratio
         "agent_decide_us_median": _percentile(decide_us, 50),
         # ---- extras
         "steps_per_s_target": steps_per_s,
+        "generators": generators,
         "target_steps_per_s_total": workers * steps_per_s,
         "duration_s": duration_s,
         "warmup_s": warmup,
@@ -954,6 +1177,9 @@ def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duratio
         "controller_rejections": ctl_srv.get("rejections", {}),
         "controller_send_queue_dropped": ctl_srv.get("send_queue_dropped"),
         "controller_plans_deferred": ctl_srv.get("plans_deferred"),
+        "controller_reads_yielded_to_plans": ctl_srv.get("reads_yielded"),
+        "controller_gc": ctl_srv.get("gc"),  # collections during the controller phase, per generation
+        "controller_config": config,
         "controller_drift_monitor": ctl_srv.get("drift_monitor"),  # sampled share, µs per request-step, events
         "controller_open_streams_at_stop": ctl_srv.get("open_streams_at_stop"),
         "controller_loop_errors": ctl_srv.get("loop_errors"),
@@ -1033,6 +1259,11 @@ def _print_table(console, r: dict, ctl: dict, bare: dict, out: Path) -> None:
             t.add_row(f"  controller CPU in {name}", f"{s['cpu_share']:.0%} ({_fmt(s['calls_per_s'], '/s', 0)})", "")
     t.add_row("generator CPU (controller / bare phase)",
               f"{_fmt(ctl['generator_cpu_util'], digits=2)} / {_fmt(bare['generator_cpu_util'], digits=2)}", "")
+    gc_info = r.get("controller_gc")
+    if gc_info:
+        n, ms, longest = gc_info["collections"], gc_info["total_ms"], gc_info["longest_ms"]
+        t.add_row("controller GC: collections gen0/1/2, longest full (ms)",
+                  f"{n[0]}/{n[1]}/{n[2]}, {longest[2]:.0f}", f"{sum(ms):,.0f} ms in all; {gc_info['holds']} holds")
     t.add_row("controller peak RSS", _fmt(r["controller_peak_rss_mb"], " MiB"), "")
     t.add_row("rejections / stream errors / dropped steps",
               f"{ctl['rejections']} / {ctl['stream_errors']} / {ctl['dropped_steps']}", "")

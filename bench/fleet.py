@@ -589,7 +589,7 @@ def _summary(values: Sequence[float], digits: int = 3) -> dict:
 
 async def run_phase(backend: str, folder: Path, replicas: int, workers: int, steps_per_s: float, requests: int,
                     warmup_s: float, measure_s: float, converge_s: float, alert_s: float, idle_s: float = 5.0,
-                    progress: Callable[[str], None] = print) -> dict:
+                    progress: Callable[[str], None] = print, drift_monitor: str = "replica") -> dict:
     """One backend's phase (see the module docstring); returns its measurements."""
     redis = RedisServer(folder / "redis").start() if backend == "redis" else None
     procs: list[ReplicaProcess] = []
@@ -597,8 +597,8 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
     view: Replicas | None = None
     try:
         for i in range(replicas):
-            state = ({"backend": "redis", "url": redis.url, "fleet": "bench", "replica_id": f"r{i}"}
-                     if redis is not None else None)
+            state = ({"backend": "redis", "url": redis.url, "fleet": "bench", "replica_id": f"r{i}",
+                      "drift_monitor": drift_monitor} if redis is not None else None)
             procs.append(ReplicaProcess(folder, f"{backend}-r{i}", replica_config(state)))
         await asyncio.gather(*(asyncio.to_thread(p.start) for p in procs))
         addresses = [p.address for p in procs]
@@ -824,7 +824,7 @@ def _redis_memory(redis: RedisServer) -> dict:
 def run_fleet_bench(out_dir: str | Path = "bench/results", replicas: int = 2, workers: int = 32,
                     steps_per_s: float = 50.0, requests: int = 8, measure_s: float = 20.0, warmup_s: float = 8.0,
                     converge_s: float = 12.0, alert_s: float = 12.0, backends: Sequence[str] = ("embedded", "redis"),
-                    plots: bool = True) -> int:
+                    plots: bool = True, drift_monitor: str = "replica") -> int:
     """Run the phases, write ``fleet.json`` (+ ``fleet.png``); returns a process exit code."""
     if replicas < 2:
         raise BenchError("--replicas must be at least 2 (one is killed)")
@@ -834,9 +834,10 @@ def run_fleet_bench(out_dir: str | Path = "bench/results", replicas: int = 2, wo
     with tempfile.TemporaryDirectory(prefix="specctl-fleet-") as tmp:
         for backend in backends:
             phases[backend] = asyncio.run(run_phase(backend, Path(tmp) / backend, replicas, workers, steps_per_s,
-                                                    requests, warmup_s, measure_s, converge_s, alert_s))
+                                                    requests, warmup_s, measure_s, converge_s, alert_s,
+                                                    drift_monitor=drift_monitor))
     report = summarize(phases, replicas=replicas, workers=workers, steps_per_s=steps_per_s, requests=requests,
-                       measure_s=measure_s)
+                       measure_s=measure_s, drift_monitor=drift_monitor)
     (out / "fleet.json").write_text(json.dumps(report, indent=1, default=_jsonable))
     if plots:
         plot_fleet(report, out / "fleet.png")

@@ -611,6 +611,7 @@ class Job:
     data: dict = field(compare=False, repr=False)
     delay_steps: int = DEFAULT_DELAY_STEPS
     config: dict | None = field(default=None, compare=False, repr=False)
+    seed: int | None = None  # a preset's `seed` for this run (--seeds); None: the preset's own
 
     @property
     def label(self) -> str:
@@ -618,6 +619,8 @@ class Job:
             return f"{self.kind} d={self.arg[0]} w={self.arg[1]}"
         if self.kind == "one_class":
             return f"{self.arg}{ONE_CLASS_SUFFIX}"
+        if self.kind == "preset" and self.seed is not None:
+            return f"{self.arg} seed={self.seed}"
         return str(self.arg) if self.kind == "preset" else self.kind
 
     def cost_estimate(self) -> float:
@@ -680,6 +683,8 @@ def run_job(job: Job) -> dict[str, Any]:
         else:  # the same preset settings without request classes
             overrides = {k: v for k, v in (scenario.preset_config.get(job.arg) or {}).items()
                          if k not in ("classes", "default_class")} or None
+        if job.seed is not None:  # --seeds: this run's policy seed over the preset's (and the scenario's)
+            overrides = {**(overrides or {}), "seed": job.seed}
         policy = load_preset(job.arg, overrides, f"{job.scenario}: preset_config.{job.arg}")
         fleet = ControlledFleet(workers, policy, config, job.delay_steps)
 
@@ -722,6 +727,7 @@ class ScenarioPlan:
     delay_steps: int
     config: dict | None
     scout: bool  # two-phase grid (full suite) or every grid point at full length (quick)
+    seeds: tuple[int, ...] = ()  # --seeds: each seeded preset runs once per seed (preset_seeds)
     finalists: int = 2
     scouts_left: int = 0
     finals: list[tuple[int, int]] = field(default_factory=list)
@@ -732,8 +738,15 @@ class ScenarioPlan:
         """Whether the product also runs without the scenario's classes (a scenario with classes)."""
         return bool(self.data.get("classes")) and PRODUCT in self.presets
 
+    def preset_seeds(self, preset: str) -> tuple[int | None, ...]:
+        """The seeds ``preset`` runs with: every ``--seeds`` seed for a preset whose
+        policy has a ``seed`` field (the goodput preset's Thompson probes), else one
+        run with its own settings (the other presets draw nothing at random)."""
+        return self.seeds if self.seeds and preset_has_seed(preset) else (None,)
+
     def first_jobs(self) -> list[Job]:
-        jobs = [Job(self.name, "preset", p, self.data, self.delay_steps, self.config) for p in self.presets]
+        jobs = [Job(self.name, "preset", p, self.data, self.delay_steps, self.config, seed=s)
+                for p in self.presets for s in self.preset_seeds(p)]
         if self.one_class:
             jobs.append(Job(self.name, "one_class", PRODUCT, self.data, self.delay_steps, self.config))
         # The oracle weighs this scenario's static grid and the full one too, so it stays the
@@ -749,8 +762,8 @@ class ScenarioPlan:
         return jobs
 
     def expected_runs(self) -> int:
-        return (len(self.presets) + 1 + len(self.grid) + (self.finalists + 1 if self.scout else 0)
-                + int(self.one_class))
+        return (sum(len(self.preset_seeds(p)) for p in self.presets) + 1 + len(self.grid)
+                + (self.finalists + 1 if self.scout else 0) + int(self.one_class))
 
     def on_done(self, job: Job, result: dict) -> list[Job]:
         """Second phase: once every scout is in, the best by goodput (and the best by
@@ -765,6 +778,37 @@ class ScenarioPlan:
         by_speed = max(self.scout_results, key=lambda a: self.scout_results[a]["request_tok_s"])
         self.finals = list(dict.fromkeys(by_goodput[: self.finalists] + [by_speed]))
         return [Job(self.name, "static", dw, self.data) for dw in self.finals]
+
+
+def preset_has_seed(preset: str) -> bool:
+    """Whether ``preset``'s policy takes a ``seed`` (so ``--seeds`` varies it)."""
+    return "seed" in type(load_preset(preset).config).model_fields
+
+
+# The metrics a preset's entry averages over its --seeds runs (the other fields are its first seed's run).
+SEED_MEANS = ("goodput_tok_s", "request_tok_s", "tpot_ms_mean", "tpot_ms_p99", "mean_accepted", "spec_fraction",
+              "tokens", "finished")
+
+
+def merge_seeds(runs: Sequence[tuple[int, dict]]) -> dict:
+    """One preset's entry from its runs at several policy seeds (``(seed, result)``,
+    in ``--seeds`` order): the first seed's run with :data:`SEED_MEANS` replaced by
+    their mean over the seeds, and ``seeds``: per seed its goodput and per-request
+    speed (``vs_oracle`` is added per seed by :func:`summarise`).
+
+    >>> entry = merge_seeds([(0, {"goodput_tok_s": 100.0, "request_tok_s": 10.0, "finished": 3}),
+    ...                      (1, {"goodput_tok_s": 110.0, "request_tok_s": 12.0, "finished": 4})])
+    >>> entry["goodput_tok_s"], entry["finished"], entry["seeds"]["1"]
+    (105.0, 3.5, {'goodput_tok_s': 110.0, 'request_tok_s': 12.0})
+    """
+    first = runs[0][1]
+    entry = {k: v for k, v in first.items() if k not in ("series", "true_alpha1")}
+    for key in SEED_MEANS:
+        values = [r[key] for _, r in runs if r.get(key) is not None]
+        if key in first and len(values) == len(runs):
+            entry[key] = round(float(np.mean(values)), 4)
+    entry["seeds"] = {str(seed): {k: r[k] for k in ("goodput_tok_s", "request_tok_s") if k in r} for seed, r in runs}
+    return entry
 
 
 def grid_points(data: dict, depths: Sequence[int] | None, widths: Sequence[int]) -> list[tuple[int, int]]:
@@ -783,11 +827,15 @@ def summarise(plan: ScenarioPlan, results: dict[Job, dict]) -> tuple[dict, dict]
     policies: dict[str, dict] = {}
     series: dict[str, dict] = {}
     statics = []
+    seeded: dict[str, list[tuple[int, dict]]] = {}
     for job, r in runs.items():
         if job.kind == "scout":
             continue
         if job.kind == "static":
             statics.append((job, r))
+            continue
+        if job.kind == "preset" and job.seed is not None:
+            seeded.setdefault(job.arg, []).append((job.seed, r))
             continue
         key = job.arg if job.kind == "preset" else job.label if job.kind == "one_class" else job.kind
         entry = {k: v for k, v in r.items() if k not in ("series", "true_alpha1")}
@@ -795,6 +843,10 @@ def summarise(plan: ScenarioPlan, results: dict[Job, dict]) -> tuple[dict, dict]
         series[key] = dict(r["series"])
         if r.get("true_alpha1") is not None:
             series[key]["true_alpha1"] = r["true_alpha1"]
+    for name, seed_runs in seeded.items():  # --seeds: the mean over the seeds, each seed's run in "seeds"
+        seed_runs.sort(key=lambda sr: plan.seeds.index(sr[0]))
+        policies[name] = merge_seeds(seed_runs)
+        series[name] = dict(seed_runs[0][1]["series"])
     grid = []
     for job, r in statics:
         grid.append({**r["config"], "goodput_tok_s": r["goodput_tok_s"], "request_tok_s": r["request_tok_s"],
@@ -825,6 +877,11 @@ def summarise(plan: ScenarioPlan, results: dict[Job, dict]) -> tuple[dict, dict]
         entry["request_vs_best_static"] = _ratio(entry["request_tok_s"], best_speed)
         if "weighted_goodput_tok_s" in entry:
             entry["weighted_vs_oracle"] = _ratio(entry["weighted_goodput_tok_s"], oracle.get("weighted_goodput_tok_s"))
+        for per_seed in entry.get("seeds", {}).values():
+            per_seed["vs_oracle"] = _ratio(per_seed["goodput_tok_s"], oracle.get("goodput_tok_s"))
+        if "seeds" in entry:
+            entry["vs_oracle_min"] = min((x["vs_oracle"] for x in entry["seeds"].values() if x["vs_oracle"]),
+                                         default=None)
     ordered = dict(sorted(policies.items(), key=lambda kv: (kv[0] in REFERENCES, kv[0] != PRODUCT, kv[0])))
     entry = {
         "duration_s": plan.data["duration_s"],
@@ -1000,8 +1057,13 @@ def run_policy_bench(
     console=None,
     scenario_data_override: dict[str, dict] | None = None,
     hardware: str | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark, write ``policies.json`` (+ ``policies-series.json`` and PNGs), return the report.
+
+    ``seeds``: policy seeds (``--seeds``): every preset with a ``seed`` field runs
+    once per seed and reports the mean, each seed's run under ``seeds``
+    (:func:`merge_seeds`); the other runs are unchanged.
 
     ``scenario_data_override``: {name: scenario dict} to run instead of files
     (tests); ``scout``: two-phase grid (default: on for the full suite, off
@@ -1019,6 +1081,11 @@ def run_policy_bench(
     presets = list(presets) if presets else list_presets()
     for name in presets:
         load_preset(name)  # refuse a bad name before any run
+    seeds = tuple(seeds or ())
+    bad = [x for x in seeds if isinstance(x, bool) or not isinstance(x, int) or x < 0]
+    if bad or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds: {list(seeds)} must be distinct integers >= 0"
+                         + (f" ({bad} are not)" if bad else " (some repeat)"))
     config = load_config(config_path).model_dump(mode="json") if config_path else None
     if grid_depths is None and quick:
         grid_depths = QUICK_GRID_DEPTHS
@@ -1049,7 +1116,8 @@ def run_policy_bench(
                 continue
             scenario_from_dict(data, name)  # refuse a bad combination before any run
             datas[name] = data
-    plans = [ScenarioPlan(name, data, presets, grid_points(data, grid_depths, grid_widths), delay_steps, config, scout)
+    plans = [ScenarioPlan(name, data, presets, grid_points(data, grid_depths, grid_widths), delay_steps, config, scout,
+                          seeds)
              for name, data in datas.items()]
     n_runs = sum(p.expected_runs() for p in plans)
     n_jobs = jobs if jobs is not None else max(1, min(os.cpu_count() or 1, n_runs))
@@ -1071,6 +1139,7 @@ def run_policy_bench(
                 "the roofline (per scenario: hardware)"),
             "skipped_scenarios": skipped,
             "delay_steps": delay_steps,
+            "policy_seeds": list(seeds) or None,
             "fallback": "speculation off until a worker's first plan arrives",
             "presets": presets,
             "grid": {"depths": list(grid_depths) if grid_depths is not None else "0..max_depth",
@@ -1140,6 +1209,11 @@ DEFINITIONS = {
     "weighted_goodput_tok_s": "Σ_c weight_c · tokens_c / Σ busy seconds; weighted_vs_oracle: against the class "
                               "oracle's (weighted goodput under the TPOT targets, per step)",
     "goodput-one-class": "the goodput preset without the scenario's classes, on the same fleet and requests",
+    "seeds (with --seeds)": "per policy seed of a preset with a `seed` field (the goodput preset's probes): that "
+                            "run's goodput_tok_s, request_tok_s and vs_oracle; the entry's goodput_tok_s, "
+                            "request_tok_s, tpot_ms_mean/p99, mean_accepted, spec_fraction, tokens and finished are "
+                            "their means over the seeds (vs_oracle that of the mean goodput, vs_oracle_min the "
+                            "lowest seed's), its other fields and its series the first seed's run",
 }
 
 
@@ -1171,6 +1245,8 @@ def results_table(report: dict):
             if p == "best_static":
                 c = e["config"]
                 cell += f"\nd={c['depth']} w={c['width']}"
+            if e.get("seeds"):  # --seeds: the mean above, each seed's ratio to the oracle here
+                cell += "\nseeds " + " ".join(f"{_fmt(x['vs_oracle'])}" for x in e["seeds"].values())
             row.append(cell)
         table.add_row(*row, style="bold" if p == PRODUCT else None)
     return table

@@ -32,6 +32,14 @@ level along that path:
   counterfactual subtree there (Σ over its nodes of the product of ``q`` along
   the path).
 
+``q`` is the probability that a slot is offered *and* accepted (the
+acceptance model's rank probabilities times the drafter's learned offer
+probabilities, as the policy values nodes): a prompt-lookup drafter finds
+a match for a minority of requests and seldom has a second candidate, so a
+request-step the recording ran plain is worth that much less drafted. One
+where the drafter was asked for a draft and offered none (``requested_depth``
+> 0, ``depth`` 0) gets nothing under any decision, exactly.
+
 For chains this is the rule: **a step run at depth d with τ < d tells nothing
 about positions past τ + 1** (position τ + 1 was rejected, so any depth
 ``≥ τ + 1`` gives exactly τ, any depth ``≤ τ`` gives exactly that depth);
@@ -41,9 +49,19 @@ step that did not speculate (d = 0) is all model.
 
 Step time comes from the cost model the controller fitted on the whole
 recording: ``verify_ms(Σ(1 + nodes'), Σ context, Σ (1 + nodes')·context) + draft_ms(max depth',
-Σ nodes')`` for the counterfactual batch, and the same for the recorded
-decisions, so the two estimates share one clock and their ratio is
-meaningful; the measured goodput of the recording is reported next to them.
+Σ nodes') + catch_up_ms(tokens caught up')`` for the counterfactual batch, and
+the same for the recorded decisions, so the two estimates share one clock and
+their ratio is meaningful; the measured goodput of the recording is reported
+next to them. The verify shape is the one the worker's forward computes: on a
+``PADDED`` worker (``Hello.verify_layout``) every row carries the widest
+block, ``batch · (1 + max nodes')`` tokens and ``Σ context · (1 + max nodes')``
+pairs, as the controller fits it (a policy that drafts for one request of
+eight pays for all eight there; priced packed, such a step looked nearly
+free). A drafter that catches a request up on the context it was off for
+(EAGLE's head cache: ``caught_up_tokens``) costs that too: a counterfactual
+request that drafts owes the context it reached since its last
+counterfactual drafting step (the controller's own rule), priced at the
+fitted ms per caught-up token (0 for a drafter that never reported one).
 What replay cannot see: the batch is the recorded one (a faster policy would
 have had smaller batches), and shapes the recording never ran (e.g. compute-
 bound batches) rest on the cost model's extrapolation.
@@ -150,6 +168,19 @@ class StepEstimate:
     rec_max_depth: int
     rec_attn_pairs: int
     measured_ms: float
+    widest: int = 0  # the largest draft block of one request: a padded forward's width
+    rec_widest: int = 0
+    caught_up_tokens: int = 0  # context the drafter catches up on before drafting
+    rec_caught_up_tokens: int = 0
+
+    def verify_shape(self, padded: bool, recorded: bool = False) -> tuple[int, int]:
+        """(batch tokens, attention pairs) of the forward: packed, Σ (1 + nodes); padded,
+        every row carries the widest block (unreported rows too: they are in the batch)."""
+        nodes, widest, pairs = ((self.rec_nodes, self.rec_widest, self.rec_attn_pairs) if recorded
+                                else (self.nodes, self.widest, self.attn_pairs))
+        if padded:
+            return self.batch_size * (1 + widest), self.kv_tokens * (1 + widest)
+        return self.batch_size + nodes, pairs
 
 
 @dataclass
@@ -170,6 +201,12 @@ class ReplayWorker:
     speculating: int = 0
     trees: dict = field(default_factory=dict)
     details: list | None = None
+    # request id -> context the counterfactual drafter has caught up to (its last drafting step's end)
+    drafted_through: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def padded(self) -> bool:
+        return self.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED
 
     def decide(self, r: worker_pb2.RequestStep, batch_size: int) -> Decision | None:
         override = self.overrides.get(r.request_id)
@@ -230,6 +267,7 @@ class Replayer:
                 msg = finished_from_dict(rec["finished"])
                 self.controller.finished(worker.state, msg)
                 worker.overrides.pop(msg.request_id, None)
+                worker.drafted_through.pop(msg.request_id, None)
 
     def on_hello(self, hello: worker_pb2.Hello) -> None:
         try:
@@ -248,12 +286,18 @@ class Replayer:
         ctl = self.controller
         counters = (worker.exact, worker.request_steps, worker.speculating,
                     len(worker.details) if worker.details is not None else 0)
+        through = {r.request_id: worker.drafted_through.get(r.request_id) for r in step.requests}
         estimate = self.estimate(worker, step)  # before ingesting: the policy must not see the outcome
         rejected = ctl.ingest(worker.state, worker_pb2.StepReports(steps=[step]))
         if rejected:  # the controller refused it: it is not part of the replay
             worker.exact, worker.request_steps, worker.speculating, n = counters
             if worker.details is not None:
                 del worker.details[n:]
+            for rid, value in through.items():
+                if value is None:
+                    worker.drafted_through.pop(rid, None)
+                else:
+                    worker.drafted_through[rid] = value
             return
         worker.estimates.append(estimate)
         worker.steps += 1
@@ -266,29 +310,33 @@ class Replayer:
         limits = worker.state.limits
         view = None
         q_by_bucket: dict[int, np.ndarray] = {}
-        tokens, nodes, max_depth, pairs = 0.0, 0, 0, 0
-        rec_tokens, rec_nodes, rec_depth, rec_pairs, kv = 0, 0, 0, 0, 0
+        tokens, nodes, max_depth, pairs, widest, caught_up = 0.0, 0, 0, 0, 0, 0
+        rec_tokens, rec_nodes, rec_depth, rec_pairs, kv, rec_widest, rec_caught_up = 0, 0, 0, 0, 0, 0, 0
         for r in step.requests:
             kv += r.context_len
             rec_tokens += r.accepted + 1
             rec_nodes += r.nodes
             rec_pairs += (1 + r.nodes) * r.context_len
             rec_depth = max(rec_depth, r.depth)
+            rec_widest = max(rec_widest, r.nodes)
+            rec_caught_up += r.caught_up_tokens
             decision = worker.decide(r, step.batch_size)
             worker.request_steps += 1
             if decision is None:  # no plan yet: what the worker really ran
                 tau, exact, n, d = float(r.accepted), True, r.nodes, r.depth
             else:
                 decision = limits.clamp(decision)
-                if decision.depth == 0:
+                if decision.depth == 0 or (r.requested_depth > 0 and r.depth == 0):
+                    # Off, or the drafter was asked and had nothing (prompt lookup without a
+                    # match): nothing under any decision either.
                     tau, exact, n, d = 0.0, True, 0, 0
                 else:
                     if view is None:
                         view = ctl_view(self.controller, worker.state)
                     bucket = bucket_index(self.controller.context_edges, r.context_len)
                     q = q_by_bucket.get(bucket)
-                    if q is None:
-                        q = q_by_bucket[bucket] = view.rank_probs(bucket)
+                    if q is None:  # P(offered and accepted) per slot, as the policy values nodes
+                        q = q_by_bucket[bucket] = view.rank_probs(bucket) * view.offer_probs(bucket)
                     tree = self.tree(worker, q, decision)
                     ranks, cands = recorded_outcome(r)
                     tau, exact = censored_tau(tree, q, ranks, cands)
@@ -299,11 +347,17 @@ class Replayer:
             nodes += n
             pairs += (1 + n) * r.context_len
             max_depth = max(max_depth, d)
+            widest = max(widest, n)
+            if d > 0:  # what it owes since its last drafting step, then caught up to its next context
+                caught_up += max(r.context_len - worker.drafted_through.get(r.request_id, 0), 0)
+                worker.drafted_through[r.request_id] = r.context_len + r.accepted + 1  # the recorded trajectory
             if worker.details is not None:
                 worker.details.append((r.request_id, r.depth, r.accepted, decision, tau, exact))
         unreported = max(0, step.batch_size - len(step.requests))
         return StepEstimate(step.batch_size, kv, unreported, tokens + unreported, nodes, max_depth, pairs,
-                            rec_tokens + unreported, rec_nodes, rec_depth, rec_pairs, step.draft_ms + step.verify_ms)
+                            rec_tokens + unreported, rec_nodes, rec_depth, rec_pairs,
+                            step.draft_ms + step.verify_ms + step.catch_up_ms, widest, rec_widest, caught_up,
+                            rec_caught_up)
 
     def tree(self, worker: ReplayWorker, q: np.ndarray, decision: Decision) -> TreeShape:
         """The counterfactual tree: best-first from the model's ``q`` (cached by ``q`` and decision)."""
@@ -315,6 +369,23 @@ class Replayer:
             tree = worker.trees[key] = build_tree(q, decision.depth, decision.width, decision.max_nodes)
         return tree
 
+    def step_ms(self, worker: ReplayWorker) -> tuple[np.ndarray, np.ndarray]:
+        """(counterfactual, recorded) model step time of each of ``worker``'s estimates (ms),
+        under the cost model fitted on the whole recording."""
+        cost = worker.state.cost.refit()
+        e = worker.estimates
+
+        def priced(recorded: bool) -> np.ndarray:
+            shapes = np.array([x.verify_shape(worker.padded, recorded) for x in e], float).reshape(-1, 2)
+            kv = np.array([x.kv_tokens for x in e], float)
+            depth = np.array([x.rec_max_depth if recorded else x.max_depth for x in e], float)
+            nodes = np.array([x.rec_nodes if recorded else x.nodes for x in e], float)
+            caught = np.array([x.rec_caught_up_tokens if recorded else x.caught_up_tokens for x in e], float)
+            return (np.asarray(cost.verify_ms(shapes[:, 0], kv, shapes[:, 1])) + np.asarray(cost.draft_ms(depth, nodes))
+                    + np.asarray(cost.catch_up_ms(caught)))
+
+        return priced(False), priced(True)
+
     def result(self) -> dict[str, Any]:
         out_workers = {}
         totals = np.zeros(5)  # tokens, ms, rec tokens, rec model ms, measured ms
@@ -322,17 +393,8 @@ class Replayer:
         for wid, w in self.workers.items():
             if not w.estimates:
                 continue
-            cost = w.state.cost.refit()
             e = w.estimates
-            batch_tokens = np.array([x.batch_size + x.nodes for x in e], float)
-            rec_batch_tokens = np.array([x.batch_size + x.rec_nodes for x in e], float)
-            kv = np.array([x.kv_tokens for x in e], float)
-            pairs = np.array([x.attn_pairs for x in e], float)
-            rec_pairs = np.array([x.rec_attn_pairs for x in e], float)
-            ms = np.asarray(cost.verify_ms(batch_tokens, kv, pairs)) + np.asarray(
-                cost.draft_ms(np.array([x.max_depth for x in e], float), np.array([x.nodes for x in e], float)))
-            rec_ms = np.asarray(cost.verify_ms(rec_batch_tokens, kv, rec_pairs)) + np.asarray(
-                cost.draft_ms(np.array([x.rec_max_depth for x in e], float), np.array([x.rec_nodes for x in e], float)))
+            ms, rec_ms = self.step_ms(w)
             row = np.array([sum(x.tokens for x in e), ms.sum(), sum(x.rec_tokens for x in e), rec_ms.sum(),
                             sum(x.measured_ms for x in e)])
             totals += row

@@ -67,6 +67,37 @@ class PlanSettings(BaseModel):
     )
 
 
+class GcSettings(BaseModel):
+    """The controller process's cyclic garbage collector (``gc:`` in the config).
+
+    A collection stops the event loop: young generations for about a
+    millisecond, a full one for tens to hundreds of milliseconds on a
+    controller with a few hundred workers' state. See docs/operations.md,
+    "Garbage collection".
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    hold_during_plan_push: bool = Field(
+        True, description="no automatic collection from a plan push's policy run until gRPC has taken the plan "
+                          "(the collection runs right after)")
+    freeze_after_start: bool = Field(
+        True, description="after start-up and after each policy reload, collect once and move every object "
+                          "then alive out of the collector's reach (gc.freeze)")
+    thresholds: tuple[int, int, int] | None = Field(
+        None, description="gc.set_threshold(gen0, gen1, gen2); unset keeps Python's (700, 10, 10)")
+
+    @field_validator("thresholds")
+    @classmethod
+    def _thresholds(cls, v: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+        if v is None:
+            return v
+        if v[0] < 1 or v[1] < 1 or v[2] < 1:
+            raise ValueError(f"each threshold must be >= 1, got {list(v)} (gen0 = 0 would turn automatic "
+                             "collection off; gc stays on in a long-running controller)")
+        return v
+
+
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -336,6 +367,7 @@ class ServerConfig(BaseModel):
     alerts: AlertSettings = AlertSettings()
     # Shared state of several replicas (Redis); the default, embedded, shares nothing and starts nothing.
     state: StateSettings = StateSettings()
+    gc: GcSettings = GcSettings()
 
     @field_validator("metrics_listen")
     @classmethod

@@ -12,6 +12,7 @@ from typing import Collection, NamedTuple, Sequence
 
 from policies.base import DrafterLimits, PlanDraft
 from policies.classes import ClassSet
+from policies.outcome import FIRST_STATES
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import plan_pb2, worker_pb2
 
@@ -342,7 +343,9 @@ def plan_to_proto(table: DecisionTable, version: int, nonce: str, policy: str, c
                   expected_goodput: float, classes: Sequence[plan_pb2.ClassPlan] = (),
                   default_class: str = "", state_tables: Sequence[plan_pb2.StatePlan] = ()) -> plan_pb2.Plan:
     """A Plan message; ``classes`` / ``default_class`` as :func:`class_plans` makes them (none: one class),
-    ``state_tables`` as :func:`state_plans` does."""
+    ``state_tables`` as :func:`state_plans` does: the states every tracking worker knows go
+    in ``Plan.state_tables``, those added since in ``Plan.later_state_tables`` (a worker
+    that does not know one skips it there; ``policies.outcome.FIRST_STATES``)."""
     return plan_pb2.Plan(
         version=version,
         nonce=nonce,
@@ -354,5 +357,6 @@ def plan_to_proto(table: DecisionTable, version: int, nonce: str, policy: str, c
         expected_goodput_tok_s=expected_goodput,
         classes=classes,
         default_class=default_class if classes else "",
-        state_tables=state_tables,
+        state_tables=[sp for sp in state_tables if sp.state in FIRST_STATES],
+        later_state_tables=[sp for sp in state_tables if sp.state not in FIRST_STATES],
     )

@@ -7,11 +7,18 @@ tick (``controller.alerts.alerting``); SIGTERM stops gracefully, saving its base
 With ``state: {backend: redis}`` the server is one replica of several that
 share what they learn (:class:`controller.fleet.replica.FleetReplica`, imported
 only then: without it no Redis client is loaded and nothing extra runs).
+
+A server that owns its process (``specctl serve``; ``start_server(...,
+tune_gc=True)``) applies the config's ``gc:`` section to the process's
+garbage collector (:func:`apply_gc_settings`); one embedded in another program (tests,
+demos) leaves the process's collector as it found it, except for the short
+holds around plan pushes (``controller.service.PlansOnTheWay``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -26,8 +33,9 @@ from grpc_health.v1._async import HealthServicer
 
 from controller.alerts.alerting import DriftAlerting
 from controller.auth import Authenticator
-from controller.config import ServerConfig, TlsSettings
+from controller.config import GcSettings, ServerConfig, TlsSettings
 from controller.core import Controller
+from controller.observe.metrics_gc import gc_pauses
 from controller.observe.recorder import TelemetryRecorder
 from controller.reflection import enable_reflection
 from controller.reload import PolicySource
@@ -53,6 +61,7 @@ class RunningServer:
     status_site: StatusSite | None = None  # /metrics and the status page (metrics_listen)
     alerting: DriftAlerting | None = None  # drift monitor, alert store and sinks (drift.enabled)
     fleet: "FleetReplica | None" = None  # shared state of several replicas (state.backend: redis)
+    gc_tuned: bool = False  # the config's gc section applies to this process (start_server's tune_gc)
 
     @property
     def address(self) -> str:
@@ -76,8 +85,34 @@ class RunningServer:
             self.recorder.close()
 
 
-async def start_server(config: ServerConfig, listen: str | None = None, clock=time.time) -> RunningServer:
-    """Start serving on ``listen`` (``host:0`` picks a free port)."""
+def apply_gc_settings(settings: GcSettings) -> None:
+    """Apply ``settings`` to this process's garbage collector: the thresholds,
+    then (``settings.freeze_after_start``) one full collection
+    and ``gc.freeze()``, so that what is alive now (modules, the policy, the
+    config, every worker's state so far) is never traversed again. Objects
+    frozen stay until the process ends even when they later become garbage
+    in a reference cycle; plain reference counting still frees the rest."""
+    if settings.thresholds is not None:
+        gc.set_threshold(*settings.thresholds)
+    if settings.freeze_after_start:
+        freeze_survivors()
+
+
+def freeze_survivors() -> None:
+    """One full collection, then everything alive is frozen (and counted for /metrics)."""
+    gc.collect()
+    gc.freeze()
+    gc_pauses().record_freeze()
+
+
+async def start_server(config: ServerConfig, listen: str | None = None, clock=time.time, *,
+                       tune_gc: bool = False) -> RunningServer:
+    """Start serving on ``listen`` (``host:0`` picks a free port).
+
+    ``tune_gc``: this server owns its process; apply ``config.gc`` to it
+    (:func:`apply_gc_settings`, once the server is up, and a freeze after each policy
+    reload)."""
+    gc_pauses()  # GC pauses are timed from the start (specctl_gc_* on /metrics)
     policy = load_preset(config.policy)
     controller = Controller(config, policy, clock=clock)
     servicer = SpeculationControllerServicer(controller, Authenticator(config.security.auth))
@@ -122,7 +157,9 @@ async def start_server(config: ServerConfig, listen: str | None = None, clock=ti
             await fleet.close(timeout_s=0.5)
         raise
     running = RunningServer(server, controller, servicer, source, port, recorder=recorder, status_site=site,
-                            alerting=alerting, fleet=fleet)
+                            alerting=alerting, fleet=fleet, gc_tuned=tune_gc)
+    if tune_gc:
+        apply_gc_settings(config.gc)
     running.tasks.append(asyncio.create_task(_housekeeping(running, config.policy_poll_interval_s)))
     try:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, source.reload)
@@ -165,8 +202,15 @@ async def _housekeeping(running: RunningServer, poll_interval_s: float) -> None:
     """Watch the policy file; sample the status history; run due policies and push plans within a CPU budget."""
     plan = running.controller.config.plan
     last_poll = time.monotonic()  # PolicySource read the file at start
+    reloads = running.controller.policy_reloads
     while True:
         await asyncio.sleep(plan.tick_s)
+        running.servicer.on_the_way.expire()
+        if running.controller.policy_reloads != reloads:
+            reloads = running.controller.policy_reloads
+            if running.gc_tuned and running.controller.config.gc.freeze_after_start:
+                # The new policy's objects are long-lived too. At the top of a tick: no plan is on its way.
+                freeze_survivors()
         now = time.monotonic()
         if now - last_poll >= poll_interval_s:
             last_poll = now
@@ -184,7 +228,7 @@ async def _housekeeping(running: RunningServer, poll_interval_s: float) -> None:
 
 
 async def serve_forever(config: ServerConfig, listen: str | None = None) -> None:
-    running = await start_server(config, listen)
+    running = await start_server(config, listen, tune_gc=True)
     print(f"specctl controller listening on {listen or config.listen} (policy {running.controller.policy.name})"
           + (f", recording telemetry to {config.record}" if config.record else "")
           + (f", drift alerts stored in {config.store.path or 'memory'}" if running.alerting else "")

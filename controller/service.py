@@ -17,11 +17,24 @@ one event loop) a completion takes ~100 ms. A plan queued behind a receipt
 would wait that long, so a worker whose stream has a write in flight is not
 planned until the write completes (at most ``PLAN_WAIT_FOR_WRITE_S``); its
 turn is kept, and its plan is computed then, from the telemetry of then.
+
+A plan put in an idle stream's queue leaves on the stream's next turn of
+the event loop, but that turn comes after every callback already queued:
+under load, the reads of every stream whose telemetry arrived in the same
+poll, each ingesting up to 64 steps (milliseconds each). So while a plan
+waits for its writer (:class:`PlansOnTheWay`), a read yields one turn
+before it ingests, and the writer goes first: the plan's bytes leave before
+that telemetry is applied instead of after. With ``gc.hold_during_plan_push``
+no automatic garbage collection starts from a push's policy run until gRPC
+has taken the plan: a full collection stops the loop for 50-300 ms at 256
+workers, and one that fell between a plan and its write delayed the plan
+that long. The collection then runs right after the plan left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -33,6 +46,7 @@ from controller.alerts.alerting import WatcherOverflow
 from controller.alerts.proto import EXISTING_ALERTS_METADATA, alert_to_proto
 from controller.auth import Authenticator, Identity, current_identity, guard_handlers
 from controller.core import Controller, WorkerState
+from controller.observe.metrics_gc import gc_pauses
 from controller.protocol import MAX_BATCH_SIZE, MAX_CONTEXT_LEN, Invalid, R, decision_to_proto
 from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
 
@@ -41,6 +55,8 @@ SERVICE_NAME = "speculation.v1.SpeculationController"
 # A worker whose stream has had one write in flight this long is planned anyway (its plan queues
 # behind the write): a reader that slow is not worth starving its re-plans for.
 PLAN_WAIT_FOR_WRITE_S = 1.0
+# Automatic garbage collection is never held longer than this (a writer that never takes its plan).
+GC_HOLD_MAX_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -66,11 +82,83 @@ def lenient_parser(message_type):
     return parse
 
 
-class Stream:
-    """One connected worker's outbound side."""
+def carries_plan(msg: plan_pb2.ControllerMessage | None) -> bool:
+    """A Plan or RequestDecisions: what the push latency goal is about."""
+    return msg is not None and msg.WhichOneof("payload") in ("plan", "request_decisions")
 
-    def __init__(self, state: WorkerState, maxsize: int) -> None:
+
+class PlansOnTheWay:
+    """Streams whose idle writer has a plan to take, and plan pushes being
+    computed; while there are any, reads yield to the writers and (with
+    ``hold_gc``) automatic garbage collection is held.
+
+    The hold only ever turns off a collector that was on, and turns it back
+    on; it ends at most ``GC_HOLD_MAX_S`` after it began (:meth:`expire`)."""
+
+    def __init__(self, hold_gc: bool = False, clock=time.monotonic) -> None:
+        self.streams: set[Stream] = set()
+        self.hold_gc = hold_gc
+        self.clock = clock
+        self.computing = 0
+        self.gc_held_since: float | None = None
+        self.holds = 0
+        self.holds_expired = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.streams)
+
+    def add(self, stream: "Stream") -> None:
+        self.streams.add(stream)
+        self._sync()
+
+    def discard(self, stream: "Stream") -> None:
+        if stream in self.streams:
+            self.streams.discard(stream)
+            self._sync()
+
+    def begin_push(self) -> None:
+        """A plan push's policy run starts (its plan, if any, is queued before :meth:`end_push`)."""
+        self.computing += 1
+        self._sync()
+
+    def end_push(self) -> None:
+        self.computing -= 1
+        self._sync()
+
+    def expire(self) -> None:
+        """Release a hold that outlived ``GC_HOLD_MAX_S`` (its writers are forgotten)."""
+        if self.gc_held_since is not None and self.clock() - self.gc_held_since >= GC_HOLD_MAX_S:
+            self.holds_expired += 1
+            self.streams.clear()
+            self._release()
+
+    def _sync(self) -> None:
+        if not self.hold_gc:
+            return
+        if self.computing or self.streams:
+            if self.gc_held_since is None and gc.isenabled():
+                gc.disable()
+                self.gc_held_since = self.clock()
+                self.holds += 1
+                gc_pauses().holds += 1
+        else:
+            self._release()
+
+    def _release(self) -> None:
+        if self.gc_held_since is not None:
+            self.gc_held_since = None
+            gc.enable()  # a collection that came due meanwhile runs at the next allocation
+
+
+class Stream:
+    """One connected worker's outbound side.
+
+    ``on_the_way``: the servicer's :class:`PlansOnTheWay`, which this stream
+    joins while its idle writer has a plan to take."""
+
+    def __init__(self, state: WorkerState, maxsize: int, on_the_way: PlansOnTheWay | None = None) -> None:
         self.state = state
+        self.on_the_way = on_the_way if on_the_way is not None else PlansOnTheWay()
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
         self.dropped = 0
         # Why the controller ends this stream, when it does (the call ends with this status).
@@ -99,10 +187,22 @@ class Stream:
         while True:
             try:
                 self.queue.put_nowait(msg)
-                return
+                break
             except asyncio.QueueFull:
                 self.queue.get_nowait()
                 self.dropped += 1
+        if self.write_started_at is None and carries_plan(msg):
+            # The writer is idle and takes it on its next turn (a plan behind a write in
+            # flight waits for the write's completion, which no yielding read speeds up).
+            self.on_the_way.add(self)
+
+    def taken(self) -> None:
+        """gRPC took the next message of this stream for writing: it hands the bytes to
+        its core in this same turn of the loop, so the stream leaves the plans on the way
+        on the next turn (a collection released now would run before the bytes left)."""
+        self.write_started_at = time.monotonic()
+        if self in self.on_the_way.streams:
+            asyncio.get_running_loop().call_soon(self.on_the_way.discard, self)
 
 
 def wrap(item) -> plan_pb2.ControllerMessage:
@@ -127,6 +227,9 @@ class SpeculationControllerServicer:
         # (an insertion-ordered set), and how many turns were put off so (a count, for the benchmark).
         self.deferred: dict[str, None] = {}
         self.plans_deferred = 0
+        # Streams whose idle writer has a plan to take: reads yield to them (module docstring).
+        self.on_the_way = PlansOnTheWay(hold_gc=controller.config.gc.hold_during_plan_push)
+        self.reads_yielded = 0  # reads that let a plan's writer go first (a count, for the benchmark)
         controller.on_hello.append(self._rebind_stream)
 
     # ------------------------------------------------------------- Connect
@@ -151,7 +254,7 @@ class SpeculationControllerServicer:
         except Invalid as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err.field}: {err.detail}")
         ctl.seen(state, controller_pb2.WORKER_SESSION_STREAM)
-        stream = Stream(state, ctl.config.send_queue_size)
+        stream = Stream(state, ctl.config.send_queue_size, self.on_the_way)
         previous = self.streams.get(state.worker_id)
         if previous is not None:
             # Newest wins (a restarted worker must not wait for its dead stream to time out).
@@ -169,13 +272,14 @@ class SpeculationControllerServicer:
                 item = await stream.queue.get()
                 if item is None:
                     break
-                stream.write_started_at = time.monotonic()
+                stream.taken()
                 yield item  # gRPC comes back for the next item once this write has completed
                 stream.write_started_at = None
             if stream.ending is not None:
                 await context.abort(*stream.ending)
         finally:
             reader.cancel()
+            self.on_the_way.discard(stream)
             if self.streams.get(state.worker_id) is stream:
                 del self.streams[state.worker_id]
                 ctl.disconnect(stream.state)
@@ -184,6 +288,9 @@ class SpeculationControllerServicer:
         ctl = self.controller
         try:
             async for msg in request_iterator:
+                if self.on_the_way:
+                    self.reads_yielded += 1
+                    await asyncio.sleep(0)  # a plan's writer was queued before this read: it goes first
                 if stream.ending is not None:
                     break  # superseded, idle or denied: nothing more of this stream is applied
                 kind = None if isinstance(msg, Malformed) else msg.WhichOneof("payload")
@@ -253,9 +360,13 @@ class SpeculationControllerServicer:
 
     def _push_plans(self, stream: Stream) -> bool:
         sent = False
-        for item in self.controller.plan_updates(stream.state):
-            stream.send(wrap(item))
-            sent = True
+        self.on_the_way.begin_push()
+        try:
+            for item in self.controller.plan_updates(stream.state):
+                stream.send(wrap(item))
+                sent = True
+        finally:
+            self.on_the_way.end_push()
         return sent
 
     def send_receipts(self, interval_s: float) -> None:

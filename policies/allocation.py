@@ -13,7 +13,8 @@ without an import cycle. The model behind them is in that module's docstring.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -27,11 +28,13 @@ from policies.tree import grow_best_first
 class NodeList:
     """Best-first draft nodes of one request: ``values[j]`` is the j-th best
     node's acceptance probability; a prefix of ``m`` nodes forms a tree of
-    depth ``depth[m]`` and width ``width[m]``."""
+    depth ``depth[m]`` and width ``width[m]``; ``levels[j]`` is the j-th
+    node's own level (1: a child of the root)."""
 
     values: np.ndarray  # [nodes]
     depth: np.ndarray  # [nodes + 1]
     width: np.ndarray  # [nodes + 1]
+    levels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [nodes]
 
     def decision(self, m: int) -> Decision:
         return Decision(int(self.depth[m]), int(self.width[m]), m) if m > 0 else Decision.off()
@@ -136,7 +139,7 @@ def _node_list(values, levels, parents) -> NodeList:
         c = children[parents[i]] = children.get(parents[i], 0) + 1
         w = max(w, c)
         depth[i + 1], width[i + 1] = d, w
-    return NodeList(np.asarray(values, dtype=np.float64), depth, width)
+    return NodeList(np.asarray(values, dtype=np.float64), depth, width, np.asarray(levels, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -234,10 +237,39 @@ def prefix_step_ms(counts: np.ndarray, contexts: np.ndarray, depths: np.ndarray,
     if caution:
         # Only batches that draft pay it: off is what the worker falls back to, and
         # whether a tree pays is what the model may have wrong.
-        step_ms = step_ms + caution * some * cost.verify_sd_ms(tokens) * (np.asarray(tokens) > batch + 1e-9)
+        step_ms = step_ms + caution * some * whole_batch_sd_ms(cost, tokens, batch) * (np.asarray(tokens) > batch + 1e-9)
     if switch_ms is not None:
         step_ms = step_ms + (taken > 0) @ np.asarray(switch_ms, dtype=np.float64)
     return step_ms
+
+
+def whole_batch_sd_ms(cost, tokens, batch: float):
+    """The cost model's standard error (``cost.verify_sd_ms``) of a forward of
+    ``tokens`` batch tokens for ``batch`` requests, when ``batch`` may be a
+    fractional mean: a worker runs whole requests, so a mean of 7.6 is steps
+    of 7 and of 8, and the price is as sure as theirs (weighted 0.4 / 0.6),
+    their tokens ``tokens · 7 / 7.6`` and ``tokens · 8 / 7.6`` (per-request
+    blocks do not depend on the batch). Read at 15.2 tokens, a shape no step
+    has, a price interpolated between two well-measured ones (14 and 16) was
+    as unsure as one never measured: the reference worker's controller at a
+    mean of 7.2-7.99 requests (a batch of 8 filling up) charged a depth-1
+    chain a whole RMSE (12.7 ms, 9 % of the step) and kept it off.
+
+    >>> from controller.models.cost import CostParams
+    >>> cost = CostParams(compute_knots=(1.0, 14.0, 16.0, 20.0), compute_rise_ms=(0.0, 1.0, 2.0, 3.0),
+    ...                   compute_evidence=(100.0, 0.0, 99.0, 0.0), verify_rmse_ms=10.0)
+    >>> [round(float(x), 2) for x in (cost.verify_sd_ms(15.2), whole_batch_sd_ms(cost, 15.2, 7.6),
+    ...                                 whole_batch_sd_ms(cost, 16.0, 8.0))]
+    [10.0, 4.6, 1.0]
+    """
+    tokens = np.asarray(tokens, dtype=np.float64)
+    lower = max(math.floor(batch), 1)
+    upper = max(math.ceil(batch), 1)
+    if lower == upper:
+        return cost.verify_sd_ms(tokens)
+    f = (batch - lower) / (upper - lower)
+    return ((1.0 - f) * np.asarray(cost.verify_sd_ms(tokens * lower / batch))
+            + f * np.asarray(cost.verify_sd_ms(tokens * upper / batch)))
 
 
 def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost, offer: np.ndarray | None = None,
@@ -379,12 +411,57 @@ def marginal_node_ms(cost, batch: float, counts: Sequence[float], contexts: Sequ
     return verify_step + float(cost.draft_ms(0, 1, batch) - cost.draft_ms(0, 0, batch))
 
 
-def representative_batch_size(edges: Sequence[int], bucket: int) -> float:
-    """Geometric middle of a batch bucket (its lower edge for the last one)."""
+def probe_requests(active: Sequence[str], padded: bool, probe_fraction: float,
+                   rng: np.random.Generator) -> list[str]:
+    """Which of the ``active`` request ids a policy run decides from a
+    posterior sample (its Thompson-sampling probes).
+
+    On a packed worker, a fixed slice of request ids (``probe_fraction`` of
+    them by CRC-32): a probe's nodes cost the step its own tokens only. On a
+    ``PADDED`` worker every row carries the widest block, so one request
+    drafting where the others do not costs the whole batch its block: on the
+    reference worker one probe of eight at batch 8 drafting a depth-1 chain
+    while the plan said off made 20 steps cost 1.2x a plain one for one
+    row's tokens, and the controller lost 13 % to the best static chain.
+    There the probe is the batch (``padded``): on ``probe_fraction`` of the
+    runs (a draw of ``rng``) every active request is decided from the
+    sample, and on the rest none, so a probe prices and tests the shape the
+    table chooses between, at the same share of request-steps. A packed
+    worker's slice draws nothing from ``rng``.
+
+    >>> ids = [f"req-{i}" for i in range(400)]
+    >>> len(probe_requests(ids, False, 0.05, np.random.default_rng(0))), probe_requests(ids, False, 0.0, None)
+    (19, [])
+    >>> [len(probe_requests(ids[:8], True, 0.5, np.random.default_rng(s))) for s in range(4)]
+    [0, 0, 8, 8]
+    """
+    if padded:
+        return list(active) if active and rng.random() < probe_fraction else []
+    threshold = int(probe_fraction * 10_000)
+    return [rid for rid in active if zlib.crc32(rid.encode()) % 10_000 < threshold]
+
+
+def representative_batch_size(edges: Sequence[int], bucket: int, max_batch: float | None = None) -> float:
+    """Geometric middle of a batch bucket (its lower edge for the last one),
+    at most ``max_batch`` (the worker's ``max_batch_size``).
+
+    The cap matters for the bucket holding the worker's largest batch: a
+    worker of at most 8 requests runs bucket [8, 12) at 8 only, and its row
+    solved at 9.4 was priced where the worker never runs and the fitted curve
+    has no data. On the reference worker that made the batch-8 row of EAGLE
+    off while drafting a depth-1 chain measured 1.8 % faster than off: plain
+    forwards of 9.4 tokens extrapolated flat from 8 tokens, drafting ones of
+    18.8 interpolated between measured 16 and 24.
+
+    >>> edges = (1, 2, 3, 4, 6, 8, 12, 16)
+    >>> round(representative_batch_size(edges, 5), 2), representative_batch_size(edges, 5, max_batch=8)
+    (9.38, 8.0)
+    >>> representative_batch_size(edges, 7), representative_batch_size(edges, 6, max_batch=8)  # past it: the max
+    (16.0, 8.0)
+    """
     lo = edges[bucket]
-    if bucket + 1 >= len(edges):
-        return float(lo)
-    return math.sqrt(lo * (edges[bucket + 1] - 1))
+    middle = float(lo) if bucket + 1 >= len(edges) else math.sqrt(lo * (edges[bucket + 1] - 1))
+    return middle if max_batch is None else min(middle, float(max(max_batch, 1)))
 
 
 def representative_context(edges: Sequence[int], bucket: int) -> float:

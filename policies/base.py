@@ -60,7 +60,10 @@ class ClassLoad:
     ``tokens_per_step``: its mean ``τ + 1``; ``tail_tokens_per_step``: the
     same over its slowest requests (the 5 % with the highest TPOT, at least
     one; 0 = not measured): a p99 target is their TPOT, and they are mostly
-    the requests the drafter follows worst.
+    the requests the drafter follows worst; ``window_tokens_per_step``: the
+    same over all its requests of the TPOT window (0 = not measured), the
+    mean the tail is compared with (``tokens_per_step`` is decayed over a
+    longer span and lags a change of plan).
     """
 
     share: float = 0.0
@@ -71,6 +74,7 @@ class ClassLoad:
     tokens_per_step: float = 0.0
     step_ms_mean: float = 0.0
     tail_tokens_per_step: float = 0.0
+    window_tokens_per_step: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

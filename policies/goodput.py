@@ -69,11 +69,14 @@ solved on one batch holding each class's share of the requests, in groups
 (class, context bucket) that share one step time, and the objective is the
 weighted goodput ``Σ_c weight_c · tokens_c / step_ms``: in the ranking a
 node of class ``c`` is worth ``weight_c · value``. A class with a TPOT
-target keeps ``step_ms / (1 + E[τ_c]) · κ_c`` under it (``κ_c``: its
-observed quantile over its mean TPOT): its weight is raised, a Lagrange
-multiplier found on a small grid, until the weighted optimum meets the
-target, so its nodes rank ahead of the best-effort classes' and theirs
-drop out first as verification gets dearer. A ``typical`` class is valued
+target keeps ``step_ms / (1 + E[τ_c]) · κ_c`` under the target less its
+margin (``tpot_margin``; ``E[τ_c]``: what the requests the target bounds
+accept, for a p99 the slowest bucket's tail at each node's worth to it,
+:func:`tail_scale`, :func:`target_tokens`; ``κ_c``: its observed quantile
+over that model at the step time just reported): its weight is raised, a
+Lagrange multiplier found on a small grid, until the weighted optimum
+meets the target, so its nodes rank ahead of the best-effort classes' and
+theirs drop out first as verification gets dearer. A ``typical`` class is valued
 with the relaxed rule's acceptance once observed. The plan carries one
 table per class (``PlanDraft.class_tables``, the default class's as
 ``table``). With one class nothing of this runs: the plan is the one above.
@@ -90,7 +93,6 @@ The building blocks (tree values, the TETRIS ranking, step pricing) are in
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -114,6 +116,7 @@ from policies.allocation import (  # noqa: F401
     observed_mix,
     prefix_goodput,
     prefix_step_ms,
+    probe_requests,
     representative_batch_size,
     representative_context,
     step_goodput,
@@ -161,7 +164,8 @@ class GoodputConfig(BaseModel):
 # every class's requests: groups are (class, context bucket), the step time is
 # the whole batch's (one forward, one draft level per level), and the objective
 # is the weighted goodput Σ_c weight_c · tokens_c / step_ms. A class with a TPOT
-# target must keep step_ms / (1 + E[τ_c]) · κ_c under it; its weight is raised
+# target must keep step_ms / (1 + E[τ_c]) · κ_c under its aim (the target less its
+# margin, RequestClass.tpot_aim_ms); its weight is raised
 # by a multiplier (a Lagrange multiplier of that constraint: raising it is
 # exactly what Σ λ_c (tokens_c / (n_c · step)) adds to the objective) until the
 # weighted optimum meets the target.
@@ -189,53 +193,152 @@ def class_acceptance(obs: Observation, rc: RequestClass) -> AcceptanceEstimate:
     return obs.acceptance
 
 
-def tpot_spread(rc: RequestClass, load: ClassLoad | None) -> float:
-    """κ ≥ 1: the class's observed TPOT at its target's quantile over its
-    observed mean TPOT (``step_ms_mean / tokens_per_step``), in [1, 3].
+def recent_step_ms(obs: Observation) -> float:
+    """Mean time of the steps since the last decision (draft, verify and catch-up: what every
+    request of a step waits for); 0 when none was reported."""
+    if not obs.steps:
+        return 0.0
+    return float(np.mean([s.draft_ms + s.verify_ms + s.catch_up_ms for s in obs.steps]))
 
-    The policy predicts a mean (step time over tokens per step); the target
-    bounds a quantile over requests, which sits above the mean by however
-    much requests differ (context, acceptance, when they ran). 1 until the
-    class has been measured.
+
+def tpot_spread(rc: RequestClass, load: ClassLoad | None, step_ms: float = 0.0) -> float:
+    """κ ≥ 1: the class's observed TPOT at its target's quantile over the TPOT the policy's model
+    gives those requests at the step time they run at now, in [1, 3].
+
+    The model is the step time over the tokens per step of the requests the target bounds: the
+    tail's (``tail_tokens_per_step``) for a p99 target, the window's mean for a p50 one. The step
+    time is ``step_ms``, the mean of the steps just reported (:func:`recent_step_ms`), else the
+    class's decayed ``step_ms_mean``. κ holds what the model leaves out (steps that differ
+    within a request's life, a catch-up); against the decayed mean, which lags a rising load by
+    its half-life, it read 1.15-1.38 from the middle of priority-classes' ramp to its end, where
+    the requests' p99 was within 5 % of the model at the current step, and the policy took a
+    reachable target for one it could not reach. 1 until the class has been measured.
 
     >>> rc = RequestClass("interactive", tpot_target_ms=30.0, tpot_quantile="p99")
     >>> tpot_spread(rc, ClassLoad(share=0.2, tpot_ms_p50=9.0, tpot_ms_p99=15.0, tokens_per_step=2.0, step_ms_mean=20.0))
     1.5
+    >>> tpot_spread(rc, ClassLoad(tpot_ms_p99=15.0, tokens_per_step=2.0, step_ms_mean=20.0), step_ms=25.0)
+    1.2
     >>> tpot_spread(rc, None), tpot_spread(rc, ClassLoad(tpot_ms_p99=400.0, tokens_per_step=2.0, step_ms_mean=20.0))
     (1.0, 3.0)
     """
-    if load is None or load.step_ms_mean <= 0 or load.tokens_per_step <= 0:
+    if load is None or load.tokens_per_step <= 0:
         return 1.0
+    step = step_ms if step_ms > 0 else load.step_ms_mean
     observed = load.tpot_ms_p99 if rc.tpot_quantile == "p99" else load.tpot_ms_p50
-    if observed <= 0:
+    if observed <= 0 or step <= 0:
         return 1.0
-    # A p99 target's requests emit the tail's tokens per step (tail_ratio prices that part).
-    tokens = load.tail_tokens_per_step if rc.tpot_quantile == "p99" and load.tail_tokens_per_step > 0 \
-        else load.tokens_per_step
-    return float(min(MAX_TPOT_SPREAD, max(1.0, observed * tokens / load.step_ms_mean)))
+    if rc.tpot_quantile == "p99" and load.tail_tokens_per_step > 0:
+        tokens = load.tail_tokens_per_step  # a p99 target's requests emit the tail's tokens (tail_scale)
+    else:
+        tokens = load.window_tokens_per_step if load.window_tokens_per_step > 0 else load.tokens_per_step
+    return float(min(MAX_TPOT_SPREAD, max(1.0, observed * tokens / step)))
 
 
-def tail_ratio(rc: RequestClass, load: ClassLoad | None) -> float:
-    """For a p99 target: the draft tokens its slowest requests accept per step over the class's
-    mean, ``(tail_tokens_per_step - 1) / (tokens_per_step - 1)`` in [0, 1]; 1 otherwise or
-    until measured.
+def tail_scale(rc: RequestClass, load: ClassLoad | None, nodes: NodeList) -> float:
+    """For a p99 target: ``m`` in [0, 1], the per-position acceptance of the class's slowest
+    requests over the class's mean; 1 for a p50 target, a class without drafts or until measured.
 
-    A p99 target bounds the requests the drafter follows worst. Priced with the class's mean
-    acceptance, each further node looked as if it shortened their TPOT as much as the average
-    request's, and the policy bought deeper trees that lengthened every step and left those
-    requests slower (priority-classes: 2.8-node drafts where 2 met the target). Scaled by
-    this ratio, a node pays for the tail only what the tail accepts.
+    A p99 target bounds the requests the drafter follows worst: they accept every position
+    less often than the mean request, and a node ``ℓ`` levels deep needs ``ℓ`` of their
+    acceptances in a row, so it is worth ``m^ℓ`` of its value to them. ``m`` is fitted so
+    that the nodes the class's mean accepted (the first of ``nodes``, the class's best-first
+    list, whose values add up to ``window_tokens_per_step - 1``: the same requests as the
+    tail's, under the same plans; the decayed ``tokens_per_step`` until there is a window)
+    are worth to the tail what it accepted, ``tail_tokens_per_step - 1``. A deeper node then pays the tail less than a
+    shallow one: priced by the mean, or by one ratio for every node, a third chain node
+    looked to shorten the tail's TPOT (priority-classes: 2.4-2.8-node drafts that made every
+    step 15 % longer, where 2 nodes held the p99 at its target).
 
     >>> rc = RequestClass("interactive", tpot_target_ms=8.0)
-    >>> round(tail_ratio(rc, ClassLoad(tokens_per_step=2.5, tail_tokens_per_step=1.6)), 3)
-    0.4
-    >>> tail_ratio(rc, ClassLoad(tokens_per_step=1.0, tail_tokens_per_step=1.0)), tail_ratio(rc, None)
+    >>> chain = best_first_nodes(np.array([[0.8], [0.8], [0.8]]), 3, 1, 3)  # values 0.8, 0.64, 0.512
+    >>> m = tail_scale(rc, ClassLoad(tokens_per_step=2.44, tail_tokens_per_step=2.0), chain)
+    >>> round(m, 3), round(0.8 * m + 0.64 * m ** 2, 3)  # its two nodes give the tail its 1.0 token
+    (0.773, 1.0)
+    >>> tail_scale(rc, ClassLoad(tokens_per_step=1.0, tail_tokens_per_step=1.0), chain), tail_scale(rc, None, chain)
     (1.0, 1.0)
     """
     if rc.tpot_quantile != "p99" or load is None or load.tail_tokens_per_step <= 0 \
-            or load.tokens_per_step <= 1.0 + MIN_TAIL_GAIN:
+            or max(load.tokens_per_step, load.window_tokens_per_step) <= 1.0 + MIN_TAIL_GAIN \
+            or not len(nodes.values):
         return 1.0
-    return float(np.clip((load.tail_tokens_per_step - 1.0) / (load.tokens_per_step - 1.0), 0.0, 1.0))
+    # The window's mean where measured: the tail's requests are among its, under the same plans.
+    mean = load.window_tokens_per_step if load.window_tokens_per_step > 0 else load.tokens_per_step
+    mean_gain, tail_gain = mean - 1.0, load.tail_tokens_per_step - 1.0
+    if tail_gain >= mean_gain:
+        return 1.0
+    if tail_gain <= 0.0:
+        return 0.0
+    values, levels = nodes.values, nodes.levels
+    before = np.concatenate(([0.0], np.cumsum(values)[:-1]))
+    used = np.clip(mean_gain - before, 0.0, values)  # what of each node the mean accepted
+    if used.sum() < mean_gain:  # the estimate sits below what the class accepts: read the ratio on all of it
+        used = values
+    share = tail_gain / mean_gain
+    lo, hi = 0.0, 1.0
+    for _ in range(40):  # Σ used · m^ℓ / Σ used rises from 0 to 1 with m
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if float(used @ mid ** levels) < share * float(used.sum()) else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def tail_values(nodes: NodeList, scale: float) -> np.ndarray:
+    """``[nodes + 1]``: what the first ``m`` of ``nodes`` are worth to requests that accept each
+    position ``scale`` times as often (:func:`tail_scale`), ``Σ_{j<m} scale^ℓ_j · values[j]``.
+
+    >>> chain = best_first_nodes(np.array([[0.8], [0.8]]), 2, 1, 2)
+    >>> [round(float(x), 3) for x in tail_values(chain, 0.5)]
+    [0.0, 0.4, 0.56]
+    """
+    weighted = nodes.values * scale ** nodes.levels if scale != 1.0 else nodes.values
+    return np.concatenate(([0.0], np.cumsum(weighted)))
+
+
+P99_GROUP_SHARE = 0.01  # a context bucket with less of a class's requests cannot hold its p99 by itself
+
+
+def target_tokens(rc: RequestClass, counts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Tokens per step of the requests a class's target bounds, from its groups (context
+    buckets): ``counts[g]`` requests each emitting ``tokens[..., g]`` a step (at their worth to
+    the target's requests, :func:`tail_values`).
+
+    A p50 target: the requests' mean. A p99 target: the fewest of any group holding at least
+    :data:`P99_GROUP_SHARE` of the class's requests (and its largest): every request of a
+    bucket shares the bucket's tree, so a bucket of 1 % given a tree too small for the target
+    is the p99 by itself, however well the mean does (priority-classes, seed 1: the 4-8k-token
+    interactive requests, 1.3 % of them, left with one node while the rest had two, were every
+    request over 8.8 ms and set the class's p99 at 8.7 ms).
+
+    >>> rc = RequestClass("interactive", tpot_target_ms=8.0)
+    >>> counts, tokens = np.array([60.0, 39.0, 1.0]), np.array([2.4, 2.2, 1.5])
+    >>> float(target_tokens(rc, counts, tokens)), float(target_tokens(rc, counts, tokens[:2].tolist() + [3.0]))
+    (1.5, 2.2)
+    >>> round(float(target_tokens(RequestClass("i", tpot_target_ms=8.0, tpot_quantile="p50"), counts, tokens)), 3)
+    2.313
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    total = counts.sum()
+    if total <= 0:
+        return np.ones(tokens.shape[:-1])
+    if rc.tpot_quantile != "p99":
+        return tokens @ counts / total
+    bounding = counts >= P99_GROUP_SHARE * total
+    bounding[int(np.argmax(counts))] = True
+    return np.where(bounding, tokens, np.inf).min(axis=-1)
+
+
+def class_tail_scale(obs: Observation, rc: RequestClass, k: int, context_share: np.ndarray) -> float:
+    """:func:`tail_scale` of class ``rc`` (index ``k``) fitted on its best-first node list in its
+    main context bucket within the drafter's limits, valued with its acceptance."""
+    load = obs.class_load.get(rc.name)
+    if rc.tpot_quantile != "p99" or load is None or load.tail_tokens_per_step <= 0:
+        return 1.0
+    acceptance, main = class_acceptance(obs, rc), int(np.argmax(context_share[k]))
+    d = obs.drafter
+    nodes = best_first_nodes(acceptance.rank_probs(main), d.max_depth, d.max_width, d.max_tree_nodes,
+                             acceptance.offer_probs(main))
+    return tail_scale(rc, load, nodes)
 
 
 def class_mix(obs: Observation) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -284,9 +387,9 @@ class ClassBatch:
 
     classes: tuple[RequestClass, ...]
     weights: np.ndarray  # [classes]
-    targets: np.ndarray  # [classes] ms; inf: best effort
+    targets: np.ndarray  # [classes] ms the policy aims at (target less margin, tpot_aim_ms); inf: best effort
     spread: np.ndarray  # [classes] κ
-    tail: np.ndarray  # [classes] the target's requests' accepted tokens over the class mean (tail_ratio)
+    tail: np.ndarray  # [classes] per-position acceptance of the target's requests over the class's (tail_scale)
     share: np.ndarray  # [classes]
     context_share: np.ndarray  # [classes, buckets]
     context_mean: np.ndarray  # [classes, buckets]
@@ -295,6 +398,23 @@ class ClassBatch:
     groups: list[tuple[int, int]]
     distinct: list[int]
     _tables: dict[tuple[int, ...], PrefixTable] = field(default_factory=dict, repr=False)
+    _tail_gains: np.ndarray | None = field(default=None, repr=False)
+
+    def tail_gains(self) -> np.ndarray:
+        """``[distinct caps, groups, nodes + 1]``: what a group's first nodes under each cap are
+        worth to its class's target requests (:func:`tail_values`; plain values for a class
+        whose scale is 1), indexed like a prefix table's ``cap_of`` and ``taken``."""
+        if self._tail_gains is None:
+            lists = [[self.lists[k][cap][b] for k, b in self.groups] for cap in self.distinct]
+            longest = max((len(nodes.values) for per_cap in lists for nodes in per_cap), default=0)
+            out = np.zeros((len(self.distinct), len(self.groups), longest + 1))
+            for ci, per_cap in enumerate(lists):
+                for g, ((k, _), nodes) in enumerate(zip(self.groups, per_cap)):
+                    gains = tail_values(nodes, float(self.tail[k]))
+                    out[ci, g, : len(gains)] = gains
+                    out[ci, g, len(gains):] = gains[-1]
+            self._tail_gains = out
+        return self._tail_gains
 
     def effective_weights(self, levels: Sequence[int]) -> np.ndarray:
         """Each class's weight times ``1 + TARGET_MULTIPLIERS[level]``."""
@@ -324,7 +444,9 @@ class ClassAllocation:
     multipliers: tuple[float, ...]  # the weight factors (1 + m) the allocation was ranked with
 
     def meets_targets(self, classes: Sequence[RequestClass]) -> bool:
-        return all(rc.tpot_target_ms is None or t <= rc.tpot_target_ms for rc, t in zip(classes, self.tpot_ms))
+        """Whether every class's predicted TPOT is within what the policy aims at (its target
+        less its margin, :attr:`RequestClass.tpot_aim_ms`)."""
+        return all(rc.tpot_aim_ms is None or t <= rc.tpot_aim_ms for rc, t in zip(classes, self.tpot_ms))
 
 
 @dataclass(frozen=True)
@@ -410,17 +532,21 @@ def class_plan_estimate(draft: PlanDraft, obs: Observation, batch: float | None 
             class_of.append(k)
     taken = np.array([len(g.nodes.values) for g in groups])
     goodput = float(step_goodput(groups, taken, obs.cost, np.array(offer), obs.padded_verify))
-    tokens, requests = np.zeros(len(obs.classes)), np.zeros(len(obs.classes))
+    tokens = np.zeros(len(obs.classes))
     for g, k in zip(groups, class_of):
         tokens[k] += g.count * (1.0 + g.nodes.values.sum())
-        requests[k] += g.count
     step_ms = tokens.sum() / max(goodput, 1e-12) * 1000.0
     loads = [obs.class_load.get(rc.name) for rc in obs.classes]
-    spread = np.array([tpot_spread(rc, load) for rc, load in zip(obs.classes, loads)])
-    tail = np.array([tail_ratio(rc, load) for rc, load in zip(obs.classes, loads)])
-    per_request = 1.0 + tail * (tokens / np.maximum(requests, 1e-12) - 1.0)
+    step_now = recent_step_ms(obs)
+    spread = np.array([tpot_spread(rc, load, step_now) for rc, load in zip(obs.classes, loads)])
+    scale = [class_tail_scale(obs, rc, k, context_share) for k, rc in enumerate(obs.classes)]
+    class_of_a = np.array(class_of, dtype=np.int64)
+    counts = np.array([g.count for g in groups])
+    tail_tokens = np.array([1.0 + tail_values(g.nodes, scale[k])[-1] for g, k in zip(groups, class_of)])
+    per_request = np.array([float(target_tokens(rc, counts[class_of_a == k], tail_tokens[class_of_a == k]))
+                            if (class_of_a == k).any() else 1.0 for k, rc in enumerate(obs.classes)])
     tpot = step_ms / np.maximum(per_request, 1e-12) * spread
-    ratios = [t / rc.tpot_target_ms for t, rc in zip(tpot, obs.classes) if rc.has_target]
+    ratios = [t / rc.tpot_aim_ms for t, rc in zip(tpot, obs.classes) if rc.has_target]
     weights = np.array([rc.weight for rc in obs.classes])
     return ClassPlanEstimate(goodput, float(tokens @ weights / step_ms * 1000.0), tuple(float(t) for t in tpot),
                              float(max(ratios, default=0.0)))
@@ -468,7 +594,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
         """
         share, means = observed_mix(obs)
         if batch is None:
-            batch = representative_batch_size(obs.batch_edges, batch_bucket)
+            batch = representative_batch_size(obs.batch_edges, batch_bucket, obs.max_batch_size)
         served, distinct, table = prefixes or self.prefix_table(obs, lists_by_cap)
         counts = [batch * share[c] for c in served]
         contexts = [means[c] for c in served]
@@ -587,10 +713,10 @@ class GoodputPolicy(Policy[GoodputConfig]):
 
     def explore(self, obs: Observation, table: DecisionTable, rng: np.random.Generator,
                 switch_ms: Sequence[float] | None = None) -> tuple[dict[str, Decision], dict[str, str]]:
-        """Thompson sampling on the probe slice of the active requests
+        """Thompson sampling on the probes of the active requests (:func:`probe_requests`:
+        a slice of them, or on a padded worker now and then all of them)
         (``switch_ms``: the active requests' :meth:`catch_up_charge`)."""
-        threshold = int(self.config.probe_fraction * 10_000)
-        probes = [rid for rid in obs.active_requests if zlib.crc32(rid.encode()) % 10_000 < threshold]
+        probes = probe_requests(list(obs.active_requests), obs.padded_verify, self.config.probe_fraction, rng)
         if not probes:
             return {}, {}
         batch = max(1, len(obs.active_requests))
@@ -634,6 +760,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
             qs = rank_probs[e] if rank_probs is not None else [estimates[e].rank_probs(c) for c in buckets]
             lists_by_estimate[e] = self.node_lists(obs, qs, estimates[e])
         share, context_share, context_mean = class_mix(obs)
+        step_now = recent_step_ms(obs)
         groups = []
         for k in range(len(classes)):
             served = set(np.flatnonzero(context_share[k] >= self.config.min_share).tolist())
@@ -646,9 +773,9 @@ class GoodputPolicy(Policy[GoodputConfig]):
         return ClassBatch(
             classes=classes,
             weights=np.array([rc.weight for rc in classes]),
-            targets=np.array([rc.tpot_target_ms if rc.has_target else np.inf for rc in classes]),
-            spread=np.array([tpot_spread(rc, obs.class_load.get(rc.name)) for rc in classes]),
-            tail=np.array([tail_ratio(rc, obs.class_load.get(rc.name)) for rc in classes]),
+            targets=np.array([rc.tpot_aim_ms if rc.has_target else np.inf for rc in classes]),
+            spread=np.array([tpot_spread(rc, obs.class_load.get(rc.name), step_now) for rc in classes]),
+            tail=np.array([class_tail_scale(obs, rc, k, context_share) for k, rc in enumerate(classes)]),
             share=share, context_share=context_share, context_mean=context_mean,
             offer=np.array([[estimates[e].offer_rate(c) for c in buckets] for e in which]),
             lists=lists, groups=groups, distinct=distinct,
@@ -691,14 +818,18 @@ class GoodputPolicy(Policy[GoodputConfig]):
         switch = None if switch_ms is None else np.array([switch_ms[k][b] for k, b in groups])
         member = np.zeros((len(groups), n_classes))
         member[np.arange(len(groups)), class_of] = 1.0
-        requests = counts @ member  # [classes]
         targeted = np.isfinite(cb.targets)
+        tail_gains, group_ix = cb.tail_gains(), np.arange(len(groups))[None, :]
 
         def score(table: PrefixTable, shift: float = 0.0, rows=slice(None)) -> _Scores:
             step = np.maximum(prefix_step_ms(counts, contexts, table.depths[rows], table.taken[rows], obs.cost,
                                              offer, obs.padded_verify, shift, switch), 1e-9)
             tokens = (counts * (1.0 + table.gained[rows])) @ member
-            per_request = 1.0 + cb.tail * (tokens / np.maximum(requests, 1e-12) - 1.0)  # the target's requests
+            # What the target's requests emit per step: each node at its worth to them (tail_scale),
+            # in the bucket that bounds the target (target_tokens).
+            tail_tokens = 1.0 + tail_gains[table.cap_of[rows][:, None], group_ix, table.taken[rows]]
+            per_request = np.stack([target_tokens(rc, counts[class_of == k], tail_tokens[:, class_of == k])
+                                    for k, rc in enumerate(cb.classes)], axis=1)
             tpot = step[:, None] / np.maximum(per_request, 1e-12) * cb.spread
             worst = (np.where(targeted, tpot / np.where(targeted, cb.targets, 1.0), 0.0).max(axis=1)
                      if targeted.any() else np.zeros(len(step)))
@@ -785,7 +916,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
         goodput = 0.0
         for b in range(len(obs.batch_edges)):
             batch, row_switch = ((max(1.0, obs.load.mean_batch_size), switch) if b == current
-                                 else (representative_batch_size(obs.batch_edges, b), None))
+                                 else (representative_batch_size(obs.batch_edges, b, obs.max_batch_size), None))
             alloc = self.solve_class_row(obs, cb, batch, switch_ms=row_switch)
             for k, per_bucket in enumerate(alloc.nodes):
                 rows[k].append([cb.lists[k][alloc.cap - 1][c].decision(m) for c, m in enumerate(per_bucket)])
@@ -803,8 +934,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
         """:meth:`explore` with classes: one posterior sample per acceptance
         estimate and bucket, one multi-class row at the current batch, and
         each probe gets its class's decision (compared with its class's table)."""
-        threshold = int(self.config.probe_fraction * 10_000)
-        probes = [rid for rid in obs.active_requests if zlib.crc32(rid.encode()) % 10_000 < threshold]
+        probes = probe_requests(list(obs.active_requests), obs.padded_verify, self.config.probe_fraction, rng)
         if not probes:
             return {}, {}
         batch = max(1, len(obs.active_requests))

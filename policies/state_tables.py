@@ -1,32 +1,37 @@
 """The goodput policy's tables per request state (issue #28).
 
 The pooled acceptance model gives every request the depth that suits the mix
-of spans requests are in. Under correlated acceptance a request's own last
-outcome (:mod:`policies.outcome`) tells which span it is likely in: after a
+of spans requests are in. Under correlated acceptance a request's own recent
+outcomes (:mod:`policies.outcome`) tell which span it is likely in: after a
 miss (``τ = 0``) the next draft is accepted far less often than the pool's,
-after a full accept far more often. The controller keeps, beside the pooled
-strict model, one acceptance model per tracked state, fed by the
-request-steps taken in that state (``Observation.acceptance_by_state``), and
-the share of request-steps in each state (``LoadProfile.state_share``).
+after a full accept far more often, while resting after a miss in between.
+The controller keeps, beside the pooled strict model, one acceptance model
+per state (the default state's too), fed by the request-steps taken in that
+state (``Observation.acceptance_by_state``), and the share of request-steps
+in each state (``LoadProfile.state_share``).
 
-**The default table stays the single-class plan.** The plan's ``table`` is
-solved exactly as without states (pooled acceptance, every request). It is
-what a request in the default state gets, and what every request gets from a
-worker that tracks no outcomes. An earlier version re-solved it with its own
-default-state model, and lost: at a burst (3 to 128 requests) the requests
-in the default state were mostly those a miss had just turned off, that
-model said 0.5 where the pooled one said 0.7, the default table went off and
-stayed off (a request that does not draft stays in the default state), and
-correlated-mixed fell from 0.94 to 0.90 of the oracle.
+**Plan.table stays the single-class plan.** The plan's ``table`` is solved
+exactly as without states (pooled acceptance, every request): it is what
+every request of a worker that tracks no outcomes gets, and what
+``UNSPECIFIED`` means on the wire. A worker that tracks outcomes decides its
+default-state requests by the table keyed :data:`~policies.outcome.OTHER`
+instead, the default state's own best response like every other state's.
+An earlier version re-solved ``table`` itself with a default-state model and
+lost (correlated-mixed 0.94 → 0.90 of the oracle): with three states, the
+default state at a burst held mostly requests a miss had just turned off
+(one plain step resets a request), that model said 0.5 where the pooled one
+said 0.7, and every request, tracked or not, went off and stayed off. Now
+those requests rest in a state of their own, and a default-state table that
+says off is no trap for the workers that do not track.
 
-**Each tracked state's table is a best response to it**, row by row: on the
-row's representative batch (the default state's share drafting the default
-row, each tracked state its share), every prefix of the tracked groups'
-(state, context bucket) merged best-first ranking under every depth cap is
-priced with one step time for the whole batch, and so is the baseline (every
-tracked state drafting the default row). The best beats the baseline only by
-``min_gain``, and only if it still does with ``cost_caution`` standard
-errors on drafting batches; else the row keeps the default decisions.
+**Each state's table is a best response to it**, row by row: on the row's
+representative batch (each state its share of the requests), every prefix
+of the states' groups' (state, context bucket) merged best-first ranking
+under every depth cap is priced with one step time for the whole batch, and
+so is the baseline (every state drafting the default row). The best beats
+the baseline only by ``min_gain``, and only if it still does with
+``cost_caution`` standard errors on drafting batches; else the row keeps
+the default decisions.
 
 **Priced per token, not per step** (:func:`renewal_goodput`). A state stands
 for a kind of text (near-copy after a full accept, text the drafter cannot
@@ -41,16 +46,31 @@ the policy fell from 0.96 to 0.92 of the oracle. Holding each group's share
 of tokens instead, the goodput is ``B / (step_ms · Σ_g w_g / (1 + τ_g))``:
 the same number for today's allocation, a smaller gain for the groups that
 already emit many tokens a step and a larger one for those that emit few.
+(With the states below, per-step pricing measured 0.963 of the oracle on
+correlated-mixed against 0.967, three seeds each: no better.)
 
-**When.** Per tracked state and served context bucket, the state is valued
-with its own acceptance only where its evidence says it differs from the
-pooled one: at least :data:`MIN_STATE_EVIDENCE` request-steps behind the
-first position in both, first-position acceptance apart by at least
-:data:`MIN_STATE_EFFECT` and by :data:`STATE_Z` standard errors; elsewhere
-with the pooled acceptance. With no state distinct anywhere (independent
-acceptance: a test) nothing of this runs, and a plan whose state tables
-equal the default table carries none: the plan is byte-identical to the
-plan without states.
+**A draft is worth the state it leads to** (:func:`chain_values`,
+``_probe_pass``). Priced by its tokens, a first draft token from the default
+state at a burst of 128 requests is accepted about as often as it costs, so
+the default state stayed off; a request copying text then never reached
+after-hit, whose table drafts, for the whole burst (on correlated-mixed the
+requests inside near-copy spans drafted on 42 % of their burst steps, the
+oracle's on all). The request states form a chain (a draft leads to
+after-hit, after-miss or the default state; a miss rests), so each row's
+decisions give every state a relative value (average-reward policy
+evaluation: its tokens less the price of its nodes, against the chain's
+mean), and a group the row leaves off takes its first node where that
+node's tokens and the value of the state it leads to beat its price on the
+whole batch (by ``min_gain``, with ``cost_caution``).
+
+**When.** Per state and served context bucket, the state is valued with its
+own acceptance only where its evidence says it differs from the pooled one:
+at least :data:`MIN_STATE_EVIDENCE` request-steps behind the first position
+in both, first-position acceptance apart by at least :data:`MIN_STATE_EFFECT`
+and by :data:`STATE_Z` standard errors; elsewhere with the pooled
+acceptance. With no state distinct anywhere (independent acceptance: a
+test) nothing of this runs, and a plan whose state tables equal the default
+table carries none: the plan is byte-identical to the plan without states.
 
 **Request classes.** State tables are planned for a policy without request
 classes only; with several classes the plan carries none (documented in
@@ -75,12 +95,13 @@ from policies.allocation import (
     NodeList,
     PrefixTable,
     best_first_nodes,
+    marginal_node_ms,
     observed_mix,
     prefix_step_ms,
     representative_batch_size,
     table_goodput,
 )
-from policies.outcome import STATES, TRACKED_STATES
+from policies.outcome import AFTER_HIT, AFTER_MISS, DEFAULT, REST_STEPS, RESTING, STATES, table_key
 from policies.table import Decision, DecisionTable, bucket_index
 
 
@@ -181,17 +202,17 @@ def state_split(obs: Observation, served: Sequence[int]) -> StateSplit | None:
     raw = obs.load.state_share
     if not by_state or len(raw) != len(STATES) or sum(raw) <= 0:
         return None
-    states, shares, estimates = [], [], []
-    for s in TRACKED_STATES:
+    states, shares, estimates, distinct = [], [], [], False
+    for s in STATES:
         own = by_state.get(s)
         if own is None or raw[s] <= 0:
             continue
         buckets = frozenset(c for c in served if distinct_bucket(own, obs.acceptance, c))
-        if buckets:
-            states.append(s)
-            shares.append(float(raw[s]) / float(sum(raw)))
-            estimates.append(StateAcceptance(own, obs.acceptance, buckets))
-    if not states:
+        distinct = distinct or bool(buckets)
+        states.append(s)
+        shares.append(float(raw[s]) / float(sum(raw)))
+        estimates.append(StateAcceptance(own, obs.acceptance, buckets))
+    if not distinct:
         return None
     return StateSplit(tuple(states), np.asarray(shares), tuple(estimates))
 
@@ -220,6 +241,21 @@ class _Tracked:
     prefixes: PrefixTable
     offer: np.ndarray  # [groups]
     _baseline: dict = field(default_factory=dict, repr=False)
+    _candidates: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
+
+    def candidates(self, n_default: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(taken, depths, gained) of every prefix and one row more (the baseline's),
+        ``n_default`` columns in front for the default state's fixed groups: one
+        buffer for every row, which fills those columns and the last row in place."""
+        if self._candidates is None or self._candidates[0].shape[1] != n_default + len(self.groups):
+            out = []
+            for table, dtype in ((self.prefixes.taken, np.int64), (self.prefixes.depths, np.int64),
+                                 (self.prefixes.gained, np.float64)):
+                full = np.zeros((len(table) + 1, n_default + table.shape[1]), dtype=dtype)
+                full[:-1, n_default:] = table
+                out.append(full)
+            self._candidates = tuple(out)
+        return self._candidates
 
     def baseline(self, k: int, c: int, decision: Decision) -> NodeList:
         """State ``k``'s nodes in bucket ``c`` under the default table's ``decision``."""
@@ -231,21 +267,51 @@ class _Tracked:
         return self._baseline[key]
 
 
-def _tracked(policy: Planner, obs: Observation, split: StateSplit, served: list[int]) -> _Tracked:
+def _tracked(policy: Planner, obs: Observation, split: StateSplit, served: list[int],
+             pooled_lists: Sequence[Sequence[NodeList]]) -> _Tracked:
     share_c, mean_c = observed_mix(obs)
-    buckets = range(len(obs.context_edges))
-    lists = [policy.node_lists(obs, [est.rank_probs(c) for c in buckets], est) for est in split.estimates]
+    lists = []
+    for est in split.estimates:
+        # Only the served buckets form groups, and where a state is valued with the pooled
+        # acceptance its lists are the pooled ones (``pooled_lists[cap - 1][bucket]``).
+        own = [c in served and c in est.own_buckets for c in range(len(obs.context_edges))]
+        mine = policy.node_lists(obs, [est.rank_probs(c) if o else None for c, o in enumerate(own)], est)
+        lists.append([[mine[cap][c] if own[c] else pooled_lists[cap][c] for c in range(len(own))]
+                      for cap in range(len(mine))])
     groups = [(k, c) for k in range(len(split.states)) for c in served]
     depth = len(lists[0])
-    distinct = [cap for cap in range(depth) if cap == 0 or any(per[cap] is not per[cap - 1] for per in lists)]
+    distinct = [cap for cap in range(depth)
+                if cap == 0 or any(per[cap][c] is not per[cap - 1][c] for per in lists for c in served)]
     prefixes = PrefixTable([[lists[k][cap][c] for k, c in groups] for cap in distinct])
     offer = np.array([split.estimates[k].offer_rate(c) for k, c in groups])
     return _Tracked(split, served, share_c, mean_c, groups, lists, distinct, prefixes, offer)
 
 
+@dataclass
+class _Row:
+    """The allocation one row settled on, as :func:`prefix_step_ms` prices it: the
+    default state's fixed groups first (``n_default`` of them), then the tracked groups."""
+
+    counts: np.ndarray
+    contexts: np.ndarray
+    depths: np.ndarray
+    taken: np.ndarray
+    gained: np.ndarray
+    offer: np.ndarray
+    switch: np.ndarray | None
+    n_default: int
+    goodput_tok_s: float
+
+    def step_ms(self, obs: Observation, caution: float, depths: np.ndarray | None = None,
+                taken: np.ndarray | None = None) -> np.ndarray:
+        return prefix_step_ms(self.counts, self.contexts, self.depths if depths is None else depths,
+                              self.taken if taken is None else taken, obs.cost, self.offer, obs.padded_verify,
+                              caution, self.switch)
+
+
 def _best_response(policy: Planner, obs: Observation, tr: _Tracked, batch: float,
                    default_lists: Sequence[NodeList], default_nodes: Sequence[int],
-                   switch_ms: Sequence[float] | None) -> tuple[list[Decision | None], float]:
+                   switch_ms: Sequence[float] | None) -> tuple[list[Decision | None], _Row]:
     """One row: the tracked states' decisions (per group; None: the default table's)
     given the default state's row, and the expected goodput of the row.
 
@@ -258,36 +324,40 @@ def _best_response(policy: Planner, obs: Observation, tr: _Tracked, batch: float
     cfg = policy.config
     served, share_c, mean_c, split = tr.served, tr.share_c, tr.mean_c, tr.split
     d_share = split.default_share
-    # The default state's groups, fixed at the default row.
-    d_counts = np.array([batch * d_share * share_c[c] for c in served])
-    d_taken = np.array([default_nodes[c] for c in served], dtype=np.int64)
-    d_depths = np.array([default_lists[c].depth[default_nodes[c]] for c in served], dtype=np.int64)
-    d_gained = np.array([default_lists[c].values[:m].sum() for c, m in zip(served, d_taken)])
-    d_offer = np.array([obs.acceptance.offer_rate(c) for c in served])
+    # The default state's groups, fixed at the default row (none when every state is tracked).
+    served_d = served if d_share > 0 else []
+    d_counts = np.array([batch * d_share * share_c[c] for c in served_d])
+    d_taken = np.array([default_nodes[c] for c in served_d], dtype=np.int64)
+    d_depths = np.array([default_lists[c].depth[default_nodes[c]] for c in served_d], dtype=np.int64)
+    d_gained = np.array([default_lists[c].values[:m].sum() for c, m in zip(served_d, d_taken)])
+    d_offer = np.array([obs.acceptance.offer_rate(c) for c in served_d])
     # The tracked groups: every prefix, and the baseline appended as the last candidate.
     t_counts = np.array([batch * split.share[k] * share_c[c] for k, c in tr.groups])
     default_decisions = [default_lists[c].decision(default_nodes[c]) for c in range(len(default_lists))]
     base = [tr.baseline(k, c, default_decisions[c]) for k, c in tr.groups]
-    t_taken = np.vstack([tr.prefixes.taken, [len(n.values) for n in base]])
-    t_depths = np.vstack([tr.prefixes.depths, [n.depth[len(n.values)] for n in base]])
-    t_gained = np.vstack([tr.prefixes.gained, [n.values.sum() for n in base]])
-    rows = len(t_taken)
-    baseline = rows - 1
+    base_row = (np.array([len(n.values) for n in base]), np.array([n.depth[len(n.values)] for n in base]),
+                np.array([n.values.sum() for n in base]))
+    baseline = len(tr.prefixes.taken)  # the candidate after the last prefix
     counts = np.concatenate([d_counts, t_counts])
-    contexts = np.concatenate([[mean_c[c] for c in served], [mean_c[c] for _, c in tr.groups]])
-    taken = np.hstack([np.tile(d_taken, (rows, 1)), t_taken])
-    depths = np.hstack([np.tile(d_depths, (rows, 1)), t_depths])
-    gained = np.hstack([np.tile(d_gained, (rows, 1)), t_gained])  # [candidates, groups] per request
+    contexts = np.concatenate([[mean_c[c] for c in served_d], [mean_c[c] for _, c in tr.groups]])
     offer = np.concatenate([d_offer, tr.offer])
     switch = None
     if switch_ms is not None:
-        switch = np.concatenate([[switch_ms[c] * d_share for c in served],
+        switch = np.concatenate([[switch_ms[c] * d_share for c in served_d],
                                  [switch_ms[c] * split.share[k] for k, c in tr.groups]])
 
-    def priced(rows_: slice | list[int], caution: float) -> np.ndarray:
-        step = prefix_step_ms(counts, contexts, depths[rows_], taken[rows_], obs.cost, offer, obs.padded_verify,
+    n_d = len(d_counts)
+    taken, depths, gained = tr.candidates(n_d)  # [candidates, groups]: the default groups' columns first
+    for full, fixed, base_values in zip((taken, depths, gained), (d_taken, d_depths, d_gained), base_row):
+        full[:, :n_d] = fixed
+        full[baseline, n_d:] = base_values
+
+    gained_now = gained[baseline].copy()
+
+    def priced(index: slice | list[int], caution: float) -> np.ndarray:
+        step = prefix_step_ms(counts, contexts, depths[index], taken[index], obs.cost, offer, obs.padded_verify,
                               caution, switch)
-        return renewal_goodput(counts, gained[rows_], step, gained[baseline])
+        return renewal_goodput(counts, gained[index], step, gained_now)
 
     goodput = priced(slice(None), 0.0)
     best = int(np.argmax(goodput))
@@ -298,12 +368,205 @@ def _best_response(policy: Planner, obs: Observation, tr: _Tracked, batch: float
             cautious = priced([best, baseline], cfg.cost_caution)
             if cautious[0] < cautious[1]:
                 best = baseline
+    row = _Row(counts, contexts, depths[best].copy(), taken[best].copy(), gained[best].copy(), offer, switch, n_d,
+               float(goodput[best]))
     if best == baseline:
-        return [None] * len(tr.groups), float(goodput[baseline])
+        return [None] * len(tr.groups), row
     cap = tr.distinct[int(tr.prefixes.cap_of[best])] + 1
     out = [tr.lists[k][cap - 1][c].decision(int(m)) if n > 0 else None
-           for (k, c), m, n in zip(tr.groups, t_taken[best], t_counts)]
-    return out, float(goodput[best])
+           for (k, c), m, n in zip(tr.groups, row.taken[n_d:], t_counts)]
+    return out, row
+
+
+# --- the value of the state a decision leads to -------------------------------------------
+CHAIN = (DEFAULT, AFTER_MISS, AFTER_HIT) + (RESTING,) * REST_STEPS  # chain state -> request state
+REPLY_TOKENS = 256.0  # a typical reply's length: how often a request ends and a new one starts (chain_values)
+_REST_FIRST = 3  # chain index of RESTING after its first plain step
+
+
+@dataclass(frozen=True)
+class StateStep:
+    """What a request-step in one state does under its decision: ``tokens`` emitted
+    (``1 + E[τ]``), the chances that it accepts every drafted level (``full``: the
+    request goes to after-hit) and none (``none``: after-miss), whether it drafts
+    at all, and its ``price`` in tokens (its draft nodes' share of the step time,
+    times the goodput)."""
+
+    tokens: float
+    full: float
+    none: float
+    drafts: bool
+    price: float
+
+
+def step_of(nodes: NodeList, price_per_node: float) -> StateStep:
+    """:class:`StateStep` of a request drafting ``nodes`` (a best-first list, every node
+    taken; empty: plain) at ``price_per_node`` tokens per node.
+
+    >>> chain = best_first_nodes(np.array([[0.9], [0.8]]), 2, 1, 2)  # values 0.9, 0.72
+    >>> s = step_of(chain, 0.5)
+    >>> round(s.tokens, 2), round(s.full, 2), round(s.none, 2), s.drafts, s.price
+    (2.62, 0.72, 0.1, True, 1.0)
+    """
+    m = len(nodes.values)
+    if m == 0:
+        return StateStep(1.0, 0.0, 0.0, False, 0.0)
+    levels = nodes.levels if len(nodes.levels) == m else np.arange(1, m + 1)
+    values = nodes.values
+    full = float(values[levels == levels.max()].sum())
+    none = max(1.0 - float(values[levels == 1].sum()), 0.0)
+    return StateStep(1.0 + float(values.sum()), min(full, 1.0), none, True, price_per_node * m)
+
+
+def chain_values(steps: Sequence[StateStep]) -> np.ndarray:
+    """Relative values ``h`` of the chain of request states (:data:`CHAIN`: default,
+    after-miss, after-hit, then resting after 1 .. ``REST_STEPS`` plain steps), each
+    state's requests doing ``steps[state]`` (indexed by request state), with
+    ``h[default] = 0``: average-reward policy evaluation of what a request-step
+    gains over the run's mean by being in one state rather than another.
+
+    A drafting step leads to after-hit (every level accepted), after-miss (none)
+    or the default state (part-way); a plain one after a miss starts a rest, a
+    rest runs its plain steps, any other plain step is the default
+    (:func:`policies.outcome.next_state`). And requests end: each token ends
+    its request with chance ``1 / REPLY_TOKENS``, and the next one starts in
+    the default state (without it a chain whose default state stays plain while
+    after-hit and after-miss draft one level would split in two). A step is
+    worth its tokens less its price; ``h`` solves ``h = r - ḡ + P h`` (``ḡ``
+    the chain's mean reward).
+
+    >>> off = StateStep(1.0, 0.0, 0.0, False, 0.0)
+    >>> hit = StateStep(1.9, 0.9, 0.1, True, 0.6)  # after a hit: accepted 9 times in 10
+    >>> probe = StateStep(1.6, 0.6, 0.4, True, 0.6)
+    >>> h = chain_values([off, off, hit, off])  # nobody in the default state drafts: nobody reaches after-hit
+    >>> round(float(h[2]), 2)  # yet a request there would gain 0.3 a step for ~10 steps
+    2.81
+    >>> h = chain_values([probe, off, hit, off])  # a probe from the default state leads there 6 times in 10
+    >>> round(float(h[2] - h[0]), 2)  # so the default state is worth more, and after-hit less above it
+    0.85
+    """
+    n = len(CHAIN)
+    p = np.zeros((n, n))
+    r = np.empty(n)
+    for i, state in enumerate(CHAIN):
+        st = steps[state]
+        r[i] = st.tokens - st.price
+        if st.drafts:
+            p[i, 2] += st.full
+            p[i, 1] += st.none
+            p[i, 0] += max(1.0 - st.full - st.none, 0.0)
+        elif state == AFTER_MISS:
+            p[i, _REST_FIRST] = 1.0
+        elif state == RESTING and i + 1 < n:
+            p[i, i + 1] = 1.0
+        else:
+            p[i, 0] = 1.0
+        ends = min(st.tokens / REPLY_TOKENS, 1.0)
+        p[i] *= 1.0 - ends
+        p[i, 0] += ends
+    # Unknowns: the mean reward ḡ (in place of h[default] = 0) and h[1:].
+    a = np.eye(n) - p
+    a[:, 0] = 1.0
+    x = np.linalg.solve(a, r)
+    return np.concatenate([[0.0], x[1:]])
+
+
+def continuation(h: np.ndarray, state: int, step: StateStep, plain_next: float) -> float:
+    """What ``step`` taken in ``state`` is worth beyond its tokens: the value of the
+    state it leads to over that of the state a plain step leads to (``plain_next``)."""
+    after = step.full * h[2] + step.none * h[1] + max(1.0 - step.full - step.none, 0.0) * h[0]
+    return float(after - plain_next)
+
+
+def _probe_pass(policy: Planner, obs: Observation, tr: _Tracked, batch: float, row: _Row,
+                decisions: list[Decision | None], default_row: Sequence[Decision]) -> list[Decision | None]:
+    """Switch on, for the first node only, the tracked groups the row leaves off
+    whose draft is worth its price once the state it leads to is counted
+    (:func:`chain_values`).
+
+    The row's best response values a draft by the tokens it brings now. A
+    request in the default state at a burst that drafts one token is accepted
+    about as often as that token costs, so it stays off, and a request copying
+    text stays there for the whole burst: only a full accept moves it to
+    after-hit, whose table drafts. Counted with the value of that move (the
+    relative values of the states in the chain of request states under this
+    row's decisions), a first node from the default state pays. Greedy, best
+    first, each priced on the whole batch (its draft level included, with
+    ``cost_caution``), while one clears ``min_gain`` of the row's tokens.
+    """
+    cfg = policy.config
+    split = tr.split
+    group_of = {kc: i for i, kc in enumerate(tr.groups)}
+    off = [(k, c) for k, c in tr.groups  # the groups this could switch on
+           if row.counts[row.n_default + group_of[(k, c)]] > 0 and row.taken[row.n_default + group_of[(k, c)]] == 0
+           and len(tr.lists[k][0][c].values)]
+    if not off:
+        return decisions
+    g_ms = row.goodput_tok_s / 1000.0  # tokens per ms of step
+    node_ms = marginal_node_ms(obs.cost, batch, row.counts, row.contexts, row.taken)
+    price = g_ms * node_ms
+    index = {s: k for k, s in enumerate(split.states)}
+    default_decisions = list(default_row)
+    candidates = []
+    for c in sorted({c for _, c in off}):
+        steps = []
+        for s in STATES:
+            k = index.get(s)
+            if k is None:
+                nodes = _nodes(obs.acceptance, c, default_decisions[c])
+            else:
+                nodes = tr.baseline(k, c, decisions[group_of[(k, c)]] or default_decisions[c])
+            steps.append(step_of(nodes, price))
+        h = chain_values(steps)
+        for k, cc in off:
+            if cc != c:
+                continue
+            s, g, first = split.states[k], row.n_default + group_of[(k, c)], tr.lists[k][0][c]
+            probe = step_of(NodeList(first.values[:1], first.depth[:2], first.width[:2], first.levels[:1]), price)
+            if s == RESTING:  # one table for every rest step: weigh them as the chain visits them
+                mass = _rest_mass(steps)
+                plain_next = float(mass @ np.append(h[_REST_FIRST + 1:], h[0]))
+            else:
+                plain_next = h[_REST_FIRST] if s == AFTER_MISS else h[0]
+            extra = probe.tokens - 1.0 + continuation(h, s, probe, plain_next)
+            candidates.append((g, k, c, float(row.counts[g]) * extra, float(first.values[0])))
+    if not candidates:
+        return decisions
+    out = list(decisions)
+    taken, depths, gained = row.taken.copy(), row.depths.copy(), row.gained.copy()
+    tokens_now = float(row.counts @ (1.0 + gained))
+    step_now = float(row.step_ms(obs, cfg.cost_caution, depths, taken))
+    while candidates:
+        trial_taken = np.tile(taken, (len(candidates), 1))
+        trial_depths = np.tile(depths, (len(candidates), 1))
+        for j, (g, *_rest) in enumerate(candidates):
+            trial_taken[j, g], trial_depths[j, g] = 1, max(int(trial_depths[j, g]), 1)
+        steps_ms = row.step_ms(obs, cfg.cost_caution, trial_depths, trial_taken)
+        gains = np.array([worth for *_x, worth, _v in candidates]) - g_ms * (steps_ms - step_now)
+        j = int(np.argmax(gains))
+        if gains[j] <= cfg.min_gain * tokens_now:
+            break
+        g, k, c, _worth, value = candidates.pop(j)
+        taken[g], depths[g] = 1, max(int(depths[g]), 1)
+        gained[g] = value
+        step_now = float(steps_ms[j])
+        tokens_now = float(row.counts @ (1.0 + gained))
+        out[group_of[(k, c)]] = tr.lists[k][0][c].decision(1)
+    return out
+
+
+def _nodes(est: AcceptanceEstimate, c: int, d: Decision) -> NodeList:
+    return best_first_nodes(est.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0, est.offer_probs(c))
+
+
+def _rest_mass(steps: Sequence[StateStep]) -> np.ndarray:
+    """How the chain's visits to a rest spread over its steps 1 .. ``REST_STEPS``: evenly
+    while a resting request stays plain; a drafting one leaves after its first."""
+    if steps[RESTING].drafts:
+        mass = np.zeros(REST_STEPS)
+        mass[0] = 1.0
+        return mass
+    return np.full(REST_STEPS, 1.0 / REST_STEPS)
 
 
 def renewal_goodput(counts: np.ndarray, gained: np.ndarray, step_ms: np.ndarray,
@@ -347,15 +610,17 @@ def plan_state_tables(policy: Planner, obs: Observation, lists_by_cap: Sequence[
     split = state_split(obs, served)
     if split is None:
         return None
-    tr = _tracked(policy, obs, split, served)
+    tr = _tracked(policy, obs, split, served, lists_by_cap)
     current = bucket_index(obs.batch_edges, max(1, round(obs.load.mean_batch_size)))
     rows: list[list[tuple[Decision, ...]]] = [[] for _ in split.states]
     goodput = 0.0
     for b, (cap, nodes) in enumerate(solved):
         batch, row_switch = ((max(1.0, obs.load.mean_batch_size), switch_ms) if b == current
-                             else (representative_batch_size(obs.batch_edges, b), None))
-        decisions, row_goodput = _best_response(policy, obs, tr, batch, lists_by_cap[cap - 1], nodes, row_switch)
+                             else (representative_batch_size(obs.batch_edges, b, obs.max_batch_size), None))
+        decisions, row = _best_response(policy, obs, tr, batch, lists_by_cap[cap - 1], nodes, row_switch)
         default_row = table.row(b)
+        decisions = _probe_pass(policy, obs, tr, batch, row, decisions, default_row)
+        row_goodput = row.goodput_tok_s
         for k in range(len(split.states)):
             row = list(default_row)
             for (kk, c), d in zip(tr.groups, decisions):
@@ -368,7 +633,7 @@ def plan_state_tables(policy: Planner, obs: Observation, lists_by_cap: Sequence[
     for s, r in zip(split.states, rows):
         t = DecisionTable.from_rows(r, obs.batch_edges, obs.context_edges)
         if t != table:
-            differing[s] = t
+            differing[table_key(s)] = t
     return StatePlan(differing, goodput) if differing else None
 
 
@@ -400,8 +665,8 @@ def _plan_groups(draft: PlanDraft, obs: Observation, batch: float) -> _PlanGroup
         share_s = raw[s] / float(sum(raw))
         if share_s <= 0:
             continue
-        est = obs.acceptance_by_state.get(s, obs.acceptance) if s else obs.acceptance
-        table = draft.table_for_state(s)
+        est = obs.acceptance_by_state.get(s, obs.acceptance)
+        table = draft.table_for_state(table_key(s))
         for c in np.flatnonzero(share_c):
             d = table.lookup(max(1, round(batch)), obs.context_edges[c])
             nodes = best_first_nodes(est.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0,

@@ -91,7 +91,7 @@ def _bench(args: argparse.Namespace) -> int:
             return run_fleet_bench(out_dir=args.out, replicas=args.replicas, workers=args.workers or 32,
                                    steps_per_s=args.steps_per_s, measure_s=args.duration,
                                    backends=[b.strip() for b in args.backends.split(",") if b.strip()],
-                                   plots=not args.no_plots)
+                                   plots=not args.no_plots, drift_monitor=args.drift_monitor)
         except BenchError as err:
             print(f"specctl bench fleet: {err}", file=sys.stderr)
             return 1
@@ -103,7 +103,7 @@ def _bench(args: argparse.Namespace) -> int:
         try:
             run_policy_bench(args.scenario, args.out, quick=args.quick, jobs=args.jobs,
                              delay_steps=args.delay_steps, presets=args.policies, config_path=args.config,
-                             plots=not args.no_plots, hardware=args.hardware)
+                             plots=not args.no_plots, hardware=args.hardware, seeds=args.seeds)
         except (PresetError, ScenarioError) as err:
             print(f"specctl bench policies: {err}", file=sys.stderr)
             return 2
@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--delay-steps", type=int, default=2, help="plan delivery delay in worker steps (default 2)")
     pol.add_argument("--config", help="controller YAML config for the controller-driven runs")
     pol.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    pol.add_argument("--seeds", type=int, nargs="+", metavar="N",
+                     help="policy seeds: each preset with a seed (goodput) runs once per seed, reported as the mean "
+                          "and per seed")
     pol.add_argument("--hardware", default="roofline", choices=["roofline", "H200-measured"],
                      help="cost truth: the roofline (default), or H200-measured: single-GPU H200 workers on the "
                           "measured H200 table (only the scenarios that have one)")
@@ -257,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--replicas", type=int, default=2, help="fleet: specctl serve replicas (one is killed)")
     fl.add_argument("--backends", default="embedded,redis",
                     help="fleet: state backends to run side by side, in order (default embedded,redis)")
+    fl.add_argument("--drift-monitor", default="replica", choices=["replica", "fleet"],
+                    help="fleet: the Redis replicas' state.drift_monitor (default replica: one monitor per replica, "
+                         "alerts deduplicated fleet-wide; fleet: one monitor per drafter version fleet-wide)")
     bench.set_defaults(func=_bench)
 
     from specctl.worker_cli import add_worker_commands  # train-heads, worker, load (the reference worker)

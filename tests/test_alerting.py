@@ -27,6 +27,7 @@ class CostlyMonitor:
         self.cost_s = cost_s
         self.seen: list[tuple] = []
         self.clock = lambda: 1234.0
+        self.calibration_s = 0.0  # CPU seconds calibrating (AcceptanceDriftMonitor's): none here
 
     def timer(self) -> float:
         return self.now
@@ -76,6 +77,42 @@ def test_the_buffer_is_bounded_and_the_budget_is_kept_with_overruns_paid_back() 
     assert feed.drain(budget) == 10
     mon.cost_s = unit
     assert [feed.drain(budget) for _ in range(5)] == [0, 0, 0, 0, 100]
+
+
+def test_an_owner_sheds_inbound_evidence_past_its_limit_and_its_reader_moves_on() -> None:
+    """Several replicas: the monitor's owner keeps at most ``inbound_limit`` request-steps queued; the
+    oldest beyond it are dropped and counted, and their callbacks still run (the fleet's reader moves
+    its cursor past them), so fresh evidence is not stuck behind a backlog."""
+    mon = CostlyMonitor(cost_s=10e-6)
+    feed = MonitorFeed(mon, timer=mon.timer, wall=mon.timer)
+    feed.forward = lambda *args: None
+    feed.inbound_limit = 300
+    done: list[int] = []
+    for i in range(10):  # 10 entries of 100 request-steps
+        kept = [(100, 1, 3, (), (), "chat")] * 100
+        feed.push_inbound(LIMITS, f"w{i}", float(i), kept, lambda i=i: done.append(i))
+    fed = feed.drain(budget_s=1e-3)  # 100 request-steps of work
+    assert feed.dropped == 700 and done[:7] == list(range(7))  # the 7 oldest shed, in order
+    assert fed == 100 and [w for w, *_ in mon.seen[:1]] == ["w7"]  # then the freshest are observed
+    assert feed.inbound_buffered == 200
+
+
+def test_the_feed_keeps_calibrations_out_of_its_cost_per_step() -> None:
+    mon = CostlyMonitor(cost_s=10e-6)
+    feed = MonitorFeed(mon, timer=mon.timer, wall=mon.timer)
+    observe = mon.observe_request
+
+    def calibrating(*args) -> None:  # the 50th request-step completes a baseline: 40 ms of calibration
+        observe(*args)
+        if len(mon.seen) == 50:
+            mon.now += 0.04
+            mon.calibration_s += 0.04
+    mon.observe_request = calibrating
+    offer(feed, [f"r{i}" for i in range(10)], range(1, 11))
+    feed.drain(budget_s=1.0)
+    assert feed.observed == 100
+    assert abs(feed.observe_total_s - 100 * 10e-6) < 1e-9  # the calibration is not a price per step
+    assert abs(feed.spent_total_s - (100 * 10e-6 + 0.04)) < 1e-9  # but the budget paid for it
 
 
 def test_the_subset_shrinks_to_what_the_budget_affords_and_grows_back() -> None:

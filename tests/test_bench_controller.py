@@ -93,3 +93,35 @@ def test_section_timers_see_every_policy_run():
     ctl.plan_updates(state, force=True)
     assert timers.calls["run_policy"] == 2 and timers.calls["plan_updates"] == 1
     assert timers.seconds["run_policy"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_tiny_bench_with_two_generators_and_a_config(tmp_path):
+    """Workers split over two generator processes (both send, both receive plans; the first
+    measures the window), and the controller runs the given config's gc settings."""
+    config = tmp_path / "controller.yaml"
+    config.write_text("gc: {thresholds: [900, 12, 14]}\n")
+    out = io.StringIO()
+    rc = run_controller_bench(tmp_path, workers=8, duration_s=1.5, steps_per_s=20.0, generators=2,
+                              config=str(config), decide_batches=2, decide_calls=500,
+                              console=Console(file=out, width=120))
+    assert rc == 0, out.getvalue()
+    data = json.loads((tmp_path / "controller.json").read_text())
+    assert data["generators"] == 2 and data["controller"]["workers_registered"] == 8
+    assert data["controller"]["rejections"] == 0 and data["controller"]["stream_errors"] == 0
+    assert data["plans_received"] >= 8  # every worker's first plan, whichever generator it runs on
+    gc_info = data["controller_gc"]
+    assert gc_info["thresholds"] == [900, 12, 14] and gc_info["frozen_objects"] > 10_000
+    assert len(gc_info["collections"]) == 3 and sum(gc_info["collections"]) > 0
+
+
+def test_bench_refuses_a_bad_config_naming_the_field(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("gc: {thresholds: [0, 1, 1]}\n")
+    out = io.StringIO()
+    rc = run_controller_bench(tmp_path, workers=2, duration_s=1.0, config=str(config),
+                              console=Console(file=out, width=200))
+    assert rc == 2 and "gc.thresholds=[0, 1, 1]" in out.getvalue()
+    rc = run_controller_bench(tmp_path, workers=2, duration_s=1.0, generators=3,
+                              console=Console(file=out, width=200))
+    assert rc == 2 and "generators=3" in out.getvalue()

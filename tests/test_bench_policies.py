@@ -233,3 +233,28 @@ def test_quick_cli_run_writes_results_and_goal_verdicts(tmp_path):
 def goal_threshold(goal: dict, goals: dict) -> str:
     name = next(k for k, v in goals.items() if v is goal)
     return name.rsplit(">=", 1)[1]
+
+
+def test_seeds_run_a_seeded_preset_once_per_seed_and_report_the_mean(tmp_path):
+    """--seeds: the goodput preset (it has a `seed`) runs once per seed, each run the
+    one run_job gives for that seed, and its entry is their mean with each seed's
+    goodput and ratio to the oracle; a preset without a seed runs once."""
+    data = saturated(2.0)
+    report = run_policy_bench(out_dir=tmp_path / "s", jobs=1, presets=["goodput", "static"], grid_depths=(0, 2),
+                              grid_widths=(1,), scout=False, plots=False, scenario_data_override={"tiny": data},
+                              seeds=(3, 1))
+    assert report["meta"]["policy_seeds"] == [3, 1]
+    policies = report["scenarios"]["tiny"]["policies"]
+    goodput, oracle = policies["goodput"], policies["oracle"]["goodput_tok_s"]
+    assert list(goodput["seeds"]) == ["3", "1"] and "seeds" not in policies["static"]
+    for seed in (3, 1):
+        alone = run_job(Job("tiny", "preset", "goodput", data, seed=seed))
+        assert goodput["seeds"][str(seed)]["goodput_tok_s"] == alone["goodput_tok_s"], seed
+        assert goodput["seeds"][str(seed)]["vs_oracle"] == round(alone["goodput_tok_s"] / oracle, 4)
+    runs = [goodput["seeds"][s]["goodput_tok_s"] for s in ("3", "1")]
+    assert goodput["goodput_tok_s"] == pytest.approx(sum(runs) / 2, abs=1e-3)
+    assert goodput["vs_oracle"] == round(goodput["goodput_tok_s"] / oracle, 4)
+    assert goodput["vs_oracle_min"] == min(goodput["seeds"][s]["vs_oracle"] for s in ("3", "1"))
+    with pytest.raises(ValueError, match=r"seeds: \[2, 2\] must be distinct"):
+        run_policy_bench(out_dir=tmp_path / "bad", jobs=1, presets=["goodput"], plots=False,
+                         scenario_data_override={"tiny": data}, seeds=[2, 2])

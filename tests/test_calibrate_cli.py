@@ -52,13 +52,16 @@ def test_the_cpu_path_writes_a_valid_table(tiny):
     for (b, t, c), r in verify.items():
         assert r["batch_tokens"] == b * t and r["kv_tokens"] == b * c
         assert r["verify_ms"] > 0
-    # More tokens per request never much cheaper than fewer. Against the cheapest of the fewer-token
-    # shapes: on a busy shared machine a median can only come out slow, never fast, so one slow
-    # shape must not fail the check (a generous margin all the same).
-    for b in BATCHES:
-        for c in CONTEXTS:
-            ms = [verify[b, t, c]["verify_ms"] for t in TOKENS]
-            assert all(ms[i] >= 0.5 * min(ms[:i]) for i in range(1, len(ms))), (b, c, ms)
+    # More tokens per request never much cheaper than fewer: the table measured the shapes it names.
+    # Timed on a shared machine, any one shape's median can come out slow (seen: 5.2 ms for a
+    # 1.1-1.4 ms shape under load), which makes the shapes after it look cheap; so the check is the
+    # median over the grid's (batch, context) pairs of each shape against the cheapest fewer-token
+    # one, which a slow shape or two cannot move (a generous margin all the same).
+    pairs = [(b, c) for b in BATCHES for c in CONTEXTS]
+    for i in range(1, len(TOKENS)):
+        ratios = [verify[b, TOKENS[i], c]["verify_ms"] / min(verify[b, t, c]["verify_ms"] for t in TOKENS[:i])
+                  for b, c in pairs]
+        assert float(np.median(ratios)) >= 0.5, (TOKENS[i], ratios)
     draft = {(r["batch"], r["width"], r["context"]) for r in table["draft"]}
     assert draft == {(b, w, c) for b in BATCHES for w in WIDTHS for c in CONTEXTS}
     assert all(r["draft_level_ms"] > 0 for r in table["draft"])

@@ -702,9 +702,10 @@ def test_tail_tokens_per_step_is_read_from_the_slowest_requests():
     for i in range(19):
         cs.requests[f"r{i}"] = [100.0, 30, 5.0, 10]
     cs.requests["slow"] = [100.0, 12.5, 5.0, 10]
-    p50, p99, n, tail = cs.tpot(now=10.0)
+    p50, p99, n, tail, window = cs.tpot(now=10.0)
     assert n == 20 and p50 == pytest.approx(100 / 30)
     assert tail == pytest.approx(1.25)  # the slowest one (5 % of 20)
+    assert window == pytest.approx((19 * 30 + 12.5) / 200)  # every request of the window, the tail's mean
     for i in range(19, 39):  # 40 requests: the two slowest, (12.5 + 30) tokens over 20 steps
         cs.requests[f"r{i}"] = [100.0, 30, 5.0, 10]
     assert cs.tpot(now=10.0)[3] == pytest.approx(42.5 / 20)

@@ -17,7 +17,8 @@ from controller.config import PlanSettings, ServerConfig
 from controller.core import Controller
 from controller.server import start_server
 from policies.base import Observation, PlanDraft, Policy
-from policies.outcome import AFTER_HIT, AFTER_MISS, DEFAULT, next_state
+from policies.outcome import (AFTER_HIT, AFTER_MISS, DEFAULT, OTHER, REST_STEPS, RESTING, UNTRACKED, RequestState,
+                              next_state, pack_state, unpack_state)
 from policies.presets import load_preset, register_policy
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
@@ -34,14 +35,20 @@ def cells(depth: int, n: int = 4) -> list[plan_pb2.Decision]:
 
 
 def state_plan(version: int = 1, miss: int | None = 0, hit: int | None = 5, default: int = 2,
-               extra: list[plan_pb2.StatePlan] = ()) -> plan_pb2.Plan:
-    states = []
+               extra: list[plan_pb2.StatePlan] = (), resting: int | None = None, other: int | None = None,
+               later_extra: list[plan_pb2.StatePlan] = ()) -> plan_pb2.Plan:
+    states, later = [], []
     if miss is not None:
         states.append(plan_pb2.StatePlan(state=plan_pb2.REQUEST_STATE_AFTER_MISS, table=cells(miss)))
     if hit is not None:
         states.append(plan_pb2.StatePlan(state=plan_pb2.REQUEST_STATE_AFTER_HIT, table=cells(hit)))
+    if resting is not None:
+        later.append(plan_pb2.StatePlan(state=plan_pb2.REQUEST_STATE_RESTING, table=cells(resting)))
+    if other is not None:
+        later.append(plan_pb2.StatePlan(state=plan_pb2.REQUEST_STATE_OTHER, table=cells(other)))
     return plan_pb2.Plan(version=version, nonce=f"n{version}", batch_size_edges=EDGES_B, context_len_edges=EDGES_C,
-                         table=cells(default), state_tables=states + list(extra))
+                         table=cells(default), state_tables=states + list(extra),
+                         later_state_tables=later + list(later_extra))
 
 
 def step(step_id: int, *requests: RequestTelemetry) -> StepTelemetry:
@@ -56,25 +63,55 @@ def req(rid: str, depth: int, accepted: int = 0) -> RequestTelemetry:
 # ------------------------------------------------------------ the state
 
 def test_next_state_and_the_proto_values_agree() -> None:
-    assert (DEFAULT, AFTER_MISS, AFTER_HIT) == (plan_pb2.REQUEST_STATE_UNSPECIFIED, plan_pb2.REQUEST_STATE_AFTER_MISS,
-                                                plan_pb2.REQUEST_STATE_AFTER_HIT)
-    assert [next_state(d, a) for d, a in [(0, 0), (3, 0), (3, 3), (3, 1), (3, 2), (1, 1)]] == [
+    assert (DEFAULT, AFTER_MISS, AFTER_HIT, RESTING, OTHER) == (
+        plan_pb2.REQUEST_STATE_UNSPECIFIED, plan_pb2.REQUEST_STATE_AFTER_MISS, plan_pb2.REQUEST_STATE_AFTER_HIT,
+        plan_pb2.REQUEST_STATE_RESTING, plan_pb2.REQUEST_STATE_OTHER)
+    assert [next_state(d, a).state for d, a in [(0, 0), (3, 0), (3, 3), (3, 1), (3, 2), (1, 1)]] == [
         DEFAULT, AFTER_MISS, AFTER_HIT, DEFAULT, DEFAULT, AFTER_HIT]
+    # A miss, then plain steps: it rests REST_STEPS of them, then it is back in the default state.
+    s, seen = next_state(2, 0), []
+    for _ in range(REST_STEPS + 2):
+        s = next_state(0, 0, s)
+        seen.append(s)
+    assert seen == [RequestState(RESTING, k) for k in range(1, REST_STEPS + 1)] + [UNTRACKED, UNTRACKED]
+    # A draft ends a rest whatever it does; a plain step after a hit or a part-way accept is the default.
+    assert next_state(1, 1, RequestState(RESTING, 3)) == RequestState(AFTER_HIT)
+    assert next_state(0, 0, RequestState(AFTER_HIT)) == next_state(0, 0, UNTRACKED) == UNTRACKED
+    assert all(unpack_state(pack_state(*s)) == s for s in seen)
+    # The proto comment states the same rule with the same number of rest steps.
+    proto = (Path(__file__).resolve().parent.parent / "protos/speculation/v1/plan.proto").read_text()
+    assert f"than {REST_STEPS} such steps in a row" in proto and f"1..{REST_STEPS} plain steps" in proto
+
+
+def _every_previous_state() -> list[tuple[str, list[tuple[int, int]]]]:
+    """(name, steps that put a request there) for every state a request can be in."""
+    out = [("default", []), ("after_miss", [(2, 0)]), ("after_hit", [(2, 2)])]
+    return out + [(f"resting{k}", [(2, 0)] + [(0, 0)] * k) for k in range(1, REST_STEPS + 1)]
 
 
 def test_the_inline_copies_of_the_state_rule_agree_with_next_state() -> None:
     """The agent's tracker and the controller's ingest inline next_state (they
-    run per request-step); over every (depth, accepted) both must give what it does."""
+    run per request-step); from every state a request can be in, over every
+    (depth, accepted), both must give what it does."""
     pairs = [(d, a) for d in range(0, 9) for a in range(0, d + 1)]
+    cases = [(f"{name}/{d}-{a}", history + [(d, a)]) for name, history in _every_previous_state() for d, a in pairs]
     tracker = OutcomeTracker()
-    tracker.observe(step(1, *(req(f"r{d}-{a}", d, a) for d, a in pairs)))
     ctl = Controller(ServerConfig(), load_preset("static"), clock=lambda: 0.0)
     state = ctl.hello(make_hello("w-rule", max_depth=8))
-    _feed(ctl, state, [[(f"r{d}-{a}", d, a) for d, a in pairs]])
-    for d, a in pairs:
-        rid = f"r{d}-{a}"
-        assert tracker.state(rid) == next_state(d, a), (d, a)
-        assert state.requests.last_outcome[rid] == next_state(d, a), (d, a)
+    rows = []
+    for start in range(0, len(cases), 200):  # engine steps of at most 200 requests (hello.max_batch_size 256)
+        chunk = cases[start:start + 200]
+        for i in range(max(len(steps) for _, steps in chunk)):  # each request's i-th step, one engine step
+            rows.append([(rid, *steps[i]) for rid, steps in chunk if i < len(steps)])
+    for i, row in enumerate(rows):
+        tracker.observe(step(i + 1, *(req(rid, d, a) for rid, d, a in row)))
+    _feed(ctl, state, rows)
+    for rid, steps in cases:
+        expected = UNTRACKED
+        for d, a in steps:
+            expected = next_state(d, a, expected)
+        assert (tracker.state(rid), tracker.rest(rid)) == expected, rid
+        assert unpack_state(state.requests.last_outcome[rid]) == expected, rid
 
 
 def test_tracker_is_bounded_and_forgets_finished_requests() -> None:
@@ -85,6 +122,11 @@ def test_tracker_is_bounded_and_forgets_finished_requests() -> None:
     assert tracker.state("r0") == DEFAULT  # the oldest were forgotten: back to the default state
     tracker.forget("r149")
     assert tracker.state("r149") == DEFAULT
+    # Resting requests too: both dicts stay bounded, and a rest whose count was trimmed just ends.
+    for i in range(2, 5):
+        tracker.observe(step(i, *[req(f"q{j}", 0 if i > 2 else 2) for j in range(150)]))
+        assert len(tracker.states) <= 100 and len(tracker.rested) <= 100
+    assert tracker.state("q149") == RESTING and tracker.rest("q149") == 2
 
 
 # ------------------------------------------------------------ the agent
@@ -126,6 +168,34 @@ def test_an_off_table_after_a_miss_holds_for_one_step_only() -> None:
     assert seen == [3, 0, 3, 0, 3, 0]  # it drafts every other step, however long it keeps missing
 
 
+def test_an_off_table_while_resting_holds_for_at_most_the_rest() -> None:
+    """With the resting state off too, a request that keeps missing is off for
+    1 + REST_STEPS steps after each miss, then drafts by the default state's table."""
+    agent = SpeculationAgent(make_hello(max_depth=6), "127.0.0.1:1")
+    assert agent._apply_plan(state_plan(miss=0, hit=4, default=3, resting=0)).WhichOneof("payload") == "ack"
+    seen = []
+    for i in range(1, 2 * (REST_STEPS + 2) + 1):
+        d = agent.decide("r", 100, 1)
+        seen.append(d.depth)
+        agent.observe(step(i, req("r", d.depth, 0)))
+    cycle = [3] + [0] * (1 + REST_STEPS)
+    assert seen == cycle * 2
+    assert agent.request_state("r") == DEFAULT and agent.decide("r", 100, 1) == Decision.chain(3)
+
+
+def test_a_tracking_agent_decides_its_default_requests_by_the_other_table() -> None:
+    """REQUEST_STATE_OTHER is the table of the requests a tracking worker keeps in the
+    default state; Plan.table stays the table of everyone else (a unary query that
+    names no state, a worker that does not track)."""
+    agent = SpeculationAgent(make_hello(max_depth=6), "127.0.0.1:1")
+    assert agent._apply_plan(state_plan(miss=0, hit=5, default=2, resting=1, other=4)).WhichOneof("payload") == "ack"
+    assert agent.decide("new", 100, 1) == Decision.chain(4)
+    agent.observe(step(1, req("m", 2, 0), req("h", 2, 2), req("p", 2, 1)))
+    agent.observe(step(2, req("m", 0)))
+    assert [agent.decide(r, 100, 1) for r in "mhp"] == [Decision.chain(1), Decision.chain(5), Decision.chain(4)]
+    assert agent.state_table(DEFAULT).lookup(1, 100) == Decision.chain(4)
+
+
 def test_state_tables_refine_the_default_class_only() -> None:
     agent = SpeculationAgent(make_hello(max_depth=6), "127.0.0.1:1")
     plan = state_plan(miss=1, hit=5, default=2)
@@ -154,6 +224,33 @@ def test_agent_nacks_a_malformed_state_table_naming_the_field(extra, reason) -> 
     assert agent.plan_version == 1
 
 
+@pytest.mark.parametrize("later, reason", [
+    ([plan_pb2.StatePlan(state=plan_pb2.REQUEST_STATE_UNSPECIFIED, table=cells(1))],
+     "later_state_tables[0].state = 0 is the default state"),
+    ([plan_pb2.StatePlan(state=plan_pb2.REQUEST_STATE_AFTER_MISS, table=cells(1))],
+     "later_state_tables[0].state = REQUEST_STATE_AFTER_MISS appears twice"),
+    ([plan_pb2.StatePlan(state=plan_pb2.REQUEST_STATE_RESTING, table=cells(7))],
+     "later_state_tables[0].table[0] = (depth 7"),
+])
+def test_agent_nacks_a_malformed_later_state_table_naming_the_field(later, reason) -> None:
+    agent = SpeculationAgent(make_hello(max_depth=6), "127.0.0.1:1")
+    answer = agent._apply_plan(state_plan(1, later_extra=later))
+    assert answer.WhichOneof("payload") == "nack" and reason in answer.nack.reason, answer.nack.reason
+
+
+def test_agent_skips_a_later_state_it_does_not_know() -> None:
+    """A state added after this worker, in later_state_tables, is skipped (its requests
+    stay on Plan.table, as on a worker that predates it); the same in state_tables is refused."""
+    agent = SpeculationAgent(make_hello(max_depth=6), "127.0.0.1:1")
+    future = [plan_pb2.StatePlan(state=9, table=cells(5))]
+    assert agent._apply_plan(state_plan(1, miss=1, resting=0, later_extra=future)).WhichOneof("payload") == "ack"
+    assert set(agent._local.plan.state_tables) == {AFTER_MISS, AFTER_HIT, RESTING}
+    assert agent.decide("r", 100, 1) == Decision.chain(2)
+    answer = agent._apply_plan(state_plan(2, extra=future))
+    assert answer.WhichOneof("payload") == "nack" and "state_tables[2].state = 9 is not a RequestState" in \
+        answer.nack.reason
+
+
 @pytest.mark.parametrize("miss, reason", [
     (cells(1, 3), "state_tables[0] (REQUEST_STATE_AFTER_MISS).table has 3 decisions, expected"),
     (cells(7), "state_tables[0].table[0] = (depth 7"),
@@ -180,27 +277,31 @@ def _feed(ctl: Controller, state, rows: list[list[tuple[str, int, int]]]) -> Non
 
 
 def test_ingest_routes_evidence_by_state_and_leaves_the_pooled_model_as_it_was() -> None:
-    # One request: a miss, a full accept, part-way, a plain step, a miss, part-way.
-    rows = [[("r", 4, 0)], [("r", 4, 4)], [("r", 4, 2)], [("r", 0, 0)], [("r", 4, 0)], [("r", 4, 1)]]
+    # One request: a miss, a full accept, part-way, a plain step, a miss, two plain steps, part-way.
+    rows = [[("r", 4, 0)], [("r", 4, 4)], [("r", 4, 2)], [("r", 0, 0)], [("r", 4, 0)], [("r", 0, 0)], [("r", 0, 0)],
+            [("r", 4, 1)]]
     clock = [0.0]
     ctl = Controller(ServerConfig(), load_preset("static"), clock=lambda: clock[0])
     state = ctl.hello(make_hello("w", max_depth=4))
     _feed(ctl, state, rows)
-    # The states the steps were in: default, after_miss, after_hit, default, default (after plain), after_miss.
+    # The states the steps were in: default, after_miss, after_hit, default, default (after a plain step),
+    # after_miss, resting (1 plain step), resting (2).
     prior = ctl.acceptance.prior
     prior_a, prior_b = prior.rank1_mean * prior.strength, (1 - prior.rank1_mean) * prior.strength
-    (miss_a, miss_b) = ctl.acceptance_by_state.models[AFTER_MISS].view(state.drafter_key, 4, 1)._params[0]
-    (hit_a, hit_b) = ctl.acceptance_by_state.models[AFTER_HIT].view(state.drafter_key, 4, 1)._params[0]
-    # After a miss: (4, 4) and (4, 1); after a hit: (4, 2).
-    assert (miss_a[:, 0] - prior_a).tolist() == pytest.approx([2, 1, 1, 1])
-    assert (miss_b[:, 0] - prior_b).tolist() == pytest.approx([0, 1, 0, 0])
-    assert (hit_a[:, 0] - prior_a).tolist() == pytest.approx([1, 1, 0, 0])
-    assert (hit_b[:, 0] - prior_b).tolist() == pytest.approx([0, 0, 1, 0])
+
+    def params(s: int):
+        a, b = ctl.acceptance_by_state.models[s].view(state.drafter_key, 4, 1)._params[0]
+        return (a[:, 0] - prior_a).tolist(), (b[:, 0] - prior_b).tolist()
+
+    assert params(DEFAULT) == (pytest.approx([0, 0, 0, 0]), pytest.approx([2, 0, 0, 0]))  # (4, 0) twice
+    assert params(AFTER_MISS) == (pytest.approx([1, 1, 1, 1]), pytest.approx([0, 0, 0, 0]))  # (4, 4)
+    assert params(AFTER_HIT) == (pytest.approx([1, 1, 0, 0]), pytest.approx([0, 0, 1, 0]))  # (4, 2)
+    assert params(RESTING) == (pytest.approx([1, 0, 0, 0]), pytest.approx([0, 1, 0, 0]))  # (4, 1)
     assert state.requests.last_outcome == {"r": DEFAULT}  # its last step accepted part-way
-    assert state.load.state_counts == [3.0, 2.0, 1.0]
+    assert state.load.state_counts == [3.0, 2.0, 1.0, 2.0]
     # The pooled model and accept_counts are what a controller without state models makes of the same steps.
     bare = Controller(ServerConfig(), load_preset("static"), clock=lambda: clock[0])
-    bare.acceptance_by_state.batches = lambda: [None, None, None]  # no routing at all
+    bare.acceptance_by_state.batches = lambda: [None] * 4  # no routing at all
     bare_state = bare.hello(make_hello("w", max_depth=4))
     _feed(bare, bare_state, rows)
     pooled = ctl.acceptance.view(state.drafter_key, 4, 1)._params[0]
@@ -245,15 +346,17 @@ def _spans_controller(correlated: bool, seed: int = 0, steps: int = 400, batch: 
 def test_policy_plans_state_tables_on_correlated_evidence_and_none_on_independent() -> None:
     ctl, state = _spans_controller(correlated=True)
     draft, obs = ctl.plans.run_policy(state, ctl.clock())
-    assert set(obs.acceptance_by_state) == {AFTER_MISS, AFTER_HIT}
+    assert set(obs.acceptance_by_state) == {DEFAULT, AFTER_MISS, AFTER_HIT}  # nothing rested: every step drafted
     assert obs.acceptance_by_state[AFTER_MISS].rank_probs(0)[0, 0] < 0.2 < 0.8 < \
         obs.acceptance_by_state[AFTER_HIT].rank_probs(0)[0, 0]
     assert draft.state_tables, "correlated evidence: state tables expected"
+    assert set(draft.state_tables) <= {AFTER_MISS, AFTER_HIT, OTHER}
     cells_ = [(b, c) for b in range(len(obs.batch_edges)) for c in range(len(obs.context_edges))]
     miss, hit = draft.state_tables.get(AFTER_MISS, draft.table), draft.state_tables.get(AFTER_HIT, draft.table)
+    other = draft.state_tables.get(OTHER, draft.table)
     # Less after a miss, more after a hit, never the other way round.
-    assert all(miss.cell(b, c).max_nodes <= draft.table.cell(b, c).max_nodes <= hit.cell(b, c).max_nodes
-               for b, c in cells_)
+    assert all(miss.cell(b, c).max_nodes <= table.cell(b, c).max_nodes <= hit.cell(b, c).max_nodes
+               for b, c in cells_ for table in (draft.table, other))
     assert any(miss.cell(b, c) != draft.table.cell(b, c) or hit.cell(b, c) != draft.table.cell(b, c)
                for b, c in cells_)
     # The default table is the single-class plan: the same policy without states gives it.
@@ -263,10 +366,43 @@ def test_policy_plans_state_tables_on_correlated_evidence_and_none_on_independen
 
     ind, ind_state = _spans_controller(correlated=False)
     ind_draft, ind_obs = ind.plans.run_policy(ind_state, ind.clock())
-    assert set(ind_obs.acceptance_by_state) == {AFTER_MISS, AFTER_HIT}  # kept, but they say nothing new
+    assert set(ind_obs.acceptance_by_state) == {DEFAULT, AFTER_MISS, AFTER_HIT}  # kept, but they say nothing new
     assert not ind_draft.state_tables
     plain, _ = no_states.decide(no_states.initial_state(), ind_obs)
     assert plain == ind_draft  # the plan is exactly the plan without states
+
+
+def test_a_draft_is_valued_with_the_state_it_leads_to() -> None:
+    """At a compute-bound batch a request in the default state whose first draft token
+    is accepted about as often as it costs stays off by its tokens alone, and so never
+    reaches after-hit, whose table drafts: counted with the value of that move
+    (policies.state_tables.chain_values) it drafts one node. After a miss (0.2) it
+    does not pay even so, and at 256 requests nothing does."""
+    from dataclasses import replace
+
+    import policies.state_tables as state_tables
+    from policies.goodput import GoodputConfig, GoodputPolicy
+    from tests.test_goodput_policy import acceptance_with, observation
+
+    obs = observation(acceptance_with({0: 0.7}), {0: 1.0}, mean_batch=128.0)
+    by_state = {s: acceptance_with({0: a}) for s, a in
+                [(DEFAULT, 0.6), (AFTER_MISS, 0.2), (AFTER_HIT, 0.92), (RESTING, 0.4)]}
+    obs = replace(obs, acceptance_by_state=by_state, load=replace(obs.load, state_share=(0.3, 0.15, 0.35, 0.2)))
+    policy = GoodputPolicy(GoodputConfig(probe_fraction=0.0))
+
+    def nodes(plan, state: int, batch: int) -> int:
+        return plan.table_for_state(state).lookup(batch, 500).max_nodes
+
+    plan, _ = policy.decide(policy.initial_state(), obs)
+    assert (nodes(plan, OTHER, 128), nodes(plan, AFTER_HIT, 128), nodes(plan, AFTER_MISS, 128)) == (1, 1, 0)
+    assert all(nodes(plan, s, 256) == 0 for s in (OTHER, AFTER_MISS, AFTER_HIT, RESTING))
+    myopic = state_tables._probe_pass
+    try:  # the same solve valuing each draft by its tokens only
+        state_tables._probe_pass = lambda policy, obs, tr, batch, row, decisions, default_row: decisions
+        tokens_only, _ = policy.decide(policy.initial_state(), obs)
+    finally:
+        state_tables._probe_pass = myopic
+    assert nodes(tokens_only, OTHER, 128) == 0 and nodes(tokens_only, AFTER_HIT, 128) == 1
 
 
 def test_state_tables_reach_the_wire_only_when_there_are_some() -> None:
@@ -275,7 +411,11 @@ def test_state_tables_reach_the_wire_only_when_there_are_some() -> None:
     ctl, state = _spans_controller(correlated=True)
     draft, _ = ctl.plans.run_policy(state, ctl.clock())
     plan = plan_to_proto(draft.table, 1, "n", "goodput", 0.0, 1.0, state_tables=state_plans(draft))
-    assert [s.state for s in plan.state_tables] == sorted(draft.state_tables)
+    # The first two states where every tracking worker reads them; those added since where a worker
+    # that does not know them skips them (and one that predates them ignores the field).
+    assert [s.state for s in plan.state_tables] == sorted(set(draft.state_tables) & {AFTER_MISS, AFTER_HIT})
+    assert [s.state for s in plan.later_state_tables] == sorted(set(draft.state_tables) - {AFTER_MISS, AFTER_HIT})
+    assert OTHER in draft.state_tables  # here the default state's requests get a table of their own
     without = PlanDraft(draft.table)
     legacy = plan_pb2.Plan(version=1, nonce="n", batch_size_edges=draft.table.batch_edges,
                            context_len_edges=draft.table.context_edges,

@@ -129,11 +129,19 @@ class MonitorFeed:
         self.forward: Callable[[Any, str, float, Sequence[Any]], None] | None = None
         self.inbound: deque = deque()
         self.inbound_buffered = 0
+        # Inbound steps kept at most (the oldest beyond it are shed): the fleet's owner sets it to what its
+        # monitor works off in a few seconds; ``max_buffered`` until it does.
+        self.inbound_limit = max_buffered
         self.forwarded = 0
         # Per drafter version, the fleet-wide hash threshold its monitor's owner published (the fraction its
         # monitor keeps up with): applied below this replica's own, so every replica keeps the same requests.
         self.version_thresholds: dict[tuple[str, str], int] = {}
         self.budget_total_s = 0.0  # CPU seconds of budget handed to drain() so far (the owner's capacity)
+        # CPU seconds drain() spent so far, and the part of it observing request-steps (calibrations left
+        # out): the rest — forwarding, calibrations, callbacks — is overhead the budget pays before any step.
+        self.spent_total_s = 0.0
+        self.observe_total_s = 0.0
+        self.forward_total_s = 0.0  # ... and the part forwarding this replica's kept steps (``forwarded`` of them)
         self.drains = 0
         self.drains_cut = 0  # drains that ran out of budget with steps still queued: the monitor is the limit
 
@@ -183,13 +191,19 @@ class MonitorFeed:
         start = timer()
         self.budget_total_s += budget_s
         if self.forward is not None and self._buffer:
+            forwarding = timer()
             self._forward_all()
+            self.forward_total_s += timer() - forwarding
+        if self.forward is not None and self.inbound_buffered > self.inbound_limit:
+            self._shed_inbound()
         allowed = budget_s - self._debt
         done = 0
         queue = self._buffer if self.forward is None else self.inbound
         if allowed > 0.0 and queue:
             observe = self.monitor.observe_request
             clock = self.monitor.clock
+            observing = timer()
+            calibrated = self.monitor.calibration_s
             while queue:
                 item = queue.popleft()
                 limits, worker, timestamp, kept = item[:4]
@@ -211,10 +225,12 @@ class MonitorFeed:
             else:
                 self.inbound_buffered -= done
             self.observed += done
+            self.observe_total_s += max(0.0, timer() - observing - (self.monitor.calibration_s - calibrated))
         self.drains += 1
         if queue:
             self.drains_cut += 1
         elapsed = timer() - start
+        self.spent_total_s += elapsed
         self._debt = max(0.0, self._debt + elapsed - budget_s)
         self._window_done += done
         self._window_busy += elapsed if done else 0.0
@@ -250,6 +266,23 @@ class MonitorFeed:
         is called once it is fed (with :attr:`forward` set; the fleet's reader bounds what it queues)."""
         self.inbound.append((limits, worker, timestamp, kept, after))
         self.inbound_buffered += len(kept)
+
+    def _shed_inbound(self) -> None:
+        """Drop the oldest inbound steps beyond :attr:`inbound_limit`, as a full buffer does: evidence the monitor
+        would reach only seconds late (a start-up burst admitted before the fleet's fraction settled took
+        the fleet benchmark's owner ~40 s to work off, and a drop waited behind it). Their ``after`` is
+        called, so the fleet's reader moves past them; they are counted as dropped."""
+        inbound = self.inbound
+        while self.inbound_buffered > self.inbound_limit and inbound:
+            item = inbound.popleft()
+            self.inbound_buffered -= len(item[3])
+            self.dropped += len(item[3])
+            if item[4] is not None:
+                try:
+                    item[4]()
+                except Exception:  # noqa: BLE001 - the reader's bookkeeping must not stop plans being pushed
+                    self.errors += 1
+                    log.exception("drift evidence callback failed while shedding a backlog")
 
     def purge_inbound(self, drop: Callable[[Any], bool]) -> int:
         """Forget queued inbound steps whose limits ``drop`` selects (their ``after`` is not called);

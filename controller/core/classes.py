@@ -18,7 +18,10 @@ controller keeps
   the tokens per step of its slowest requests (:data:`TAIL_SHARE` of them
   by TPOT, at least one): a p99 target bounds those requests, and more
   draft nodes help them less than the class's mean says (they are the ones
-  the drafter follows worst).
+  the drafter follows worst). And the tokens per step of all the window's
+  requests, the mean the tail is compared with: both read the same
+  requests under the same plans, where the decayed mean lags a plan change
+  by its half-life.
 
 Recent means are sums decayed with a half-life of :data:`CLASS_HALF_LIFE_S`
 seconds of controller time, folded when read; between two reads ingest only
@@ -56,6 +59,7 @@ class ClassSummary:
     tpot_ms_p99: float
     tpot_requests: int
     tail_tokens_per_step: float  # over its slowest TAIL_SHARE of requests by TPOT (0: none measured)
+    window_tokens_per_step: float  # over all its requests in the TPOT window (0: none measured)
     tau: float  # accepted draft tokens per drafting request-step, recent
     spec_fraction: float  # request-steps that drafted, recent
     tokens_per_step: float
@@ -71,7 +75,8 @@ class ClassSummary:
         return ClassLoad(share=self.share, context_share=self.context_share, context_mean=self.context_mean,
                          tpot_ms_p50=self.tpot_ms_p50, tpot_ms_p99=self.tpot_ms_p99,
                          tokens_per_step=self.tokens_per_step, step_ms_mean=self.step_ms_mean,
-                         tail_tokens_per_step=self.tail_tokens_per_step)
+                         tail_tokens_per_step=self.tail_tokens_per_step,
+                         window_tokens_per_step=self.window_tokens_per_step)
 
 
 class ClassStats:
@@ -124,19 +129,21 @@ class ClassStats:
         self.ctx_counts = [0.0] * n
         self.ctx_sums = [0.0] * n
 
-    def tpot(self, now: float) -> tuple[float, float, int, float]:
-        """(p50, p99, requests) of TPOT in ms over the requests seen in the window, and the
-        tokens per step of the slowest :data:`TAIL_SHARE` of them (at least one)."""
+    def tpot(self, now: float) -> tuple[float, float, int, float, float]:
+        """(p50, p99, requests) of TPOT in ms over the requests seen in the window, the
+        tokens per step of the slowest :data:`TAIL_SHARE` of them (at least one), and of all
+        of them."""
         cutoff = now - TPOT_WINDOW_S
         requests = self.requests
         for rid in [r for r, rec in requests.items() if rec[2] < cutoff]:  # left the window
             del requests[rid]
         rows = np.array([(ms / tokens, tokens, steps) for ms, tokens, _, steps in requests.values() if tokens > 0])
         if not len(rows):
-            return 0.0, 0.0, 0, 0.0
+            return 0.0, 0.0, 0, 0.0, 0.0
         p50, p99 = np.percentile(rows[:, 0], [50.0, 99.0])
         tail = rows[np.argsort(rows[:, 0])[-max(1, int(round(TAIL_SHARE * len(rows)))):]]
-        return float(p50), float(p99), len(rows), float(tail[:, 1].sum() / max(tail[:, 2].sum(), 1.0))
+        return (float(p50), float(p99), len(rows), float(tail[:, 1].sum() / max(tail[:, 2].sum(), 1.0)),
+                float(rows[:, 1].sum() / max(rows[:, 2].sum(), 1.0)))
 
 
 class ClassTracker:
@@ -198,11 +205,12 @@ class ClassTracker:
             share_ctx = tuple(float(x) for x in counts / n) if n > 0 else ()
             mean_ctx = tuple(float(x) for x in np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0)) \
                 if n > 0 else ()
-            p50, p99, measured, tail = cs.tpot(now)
+            p50, p99, measured, tail, window = cs.tpot(now)
             out.append(ClassSummary(
                 name=name, spec=cs.spec, is_default=name == self.classes.default,
                 share=steps / total if total > 0 else 0.0,
                 tpot_ms_p50=p50, tpot_ms_p99=p99, tpot_requests=measured, tail_tokens_per_step=tail,
+                window_tokens_per_step=window,
                 tau=accepted / drafted if drafted > 0 else 0.0,
                 spec_fraction=drafted / steps if steps > 0 else 0.0,
                 tokens_per_step=tokens / steps if steps > 0 else 0.0,

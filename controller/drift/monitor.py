@@ -177,6 +177,9 @@ class AcceptanceDriftMonitor:
         self._pending: list[PendingTest] = []
         self._steps = 0
         self._next_id = 1
+        # CPU seconds spent calibrating CUSUM banks (bootstrap, when baselines complete): a one-off cost
+        # that the feed charges to its budget but keeps out of its cost per request-step.
+        self.calibration_s = 0.0
         self.alerts: OrderedDict[str, DriftAlert] = OrderedDict()
         self.listeners: list[Callable[[str, DriftAlert], None]] = []
         self.arbiter: Any = None
@@ -267,7 +270,9 @@ class AcceptanceDriftMonitor:
             self._window_done(s, now)
         if v.dirty and (not any(v.cusums) or v.steps - v.calibrated_at >= self.config.window):
             # at most once per window of the version's steps: completions batch up
+            started = time.thread_time()
             v.calibrate(self.config, self.ert_cusum)
+            self.calibration_s += time.thread_time() - started
 
     # ---------------------------------------------------------------- alarms
     def _cusum_alarm(self, v: Version, j: int, now: float) -> None:

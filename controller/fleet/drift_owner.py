@@ -51,8 +51,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
@@ -71,6 +72,9 @@ log = logging.getLogger("specctl.fleet")
 CHECKPOINT_FORMAT = 1
 MAX_RETAINED = 64  # versions kept aside after losing their lease
 MAX_WRITERS = 512  # writers remembered per cursor (the most recent)
+STALE_S = 3.0  # evidence queued for the owner's monitor beyond this many seconds of its work is shed
+MIN_INBOUND = 1000  # ... but never below this many request-steps
+GROWTH = 2.0  # the most a fraction grows a window while the monitor keeps up with room to spare
 BACKLOG_S = 10.0  # a version's evidence lag counts as inflow to be worked off over this long
 
 # KEYS: 1 the lease, 2 the checkpoint (or the published fraction); ARGV: 1 holder, 2 value, 3 its time to live (ms).
@@ -214,6 +218,9 @@ class VersionWatch:
     counts: Counter = field(default_factory=Counter)
     # Admission (owned): the fleet-wide sample fraction published, and what arrived since the last window.
     fraction: float | None = None
+    # The fractions in force over the last windows: the inflow measured now was admitted under one of them
+    # (replicas read a published fraction up to a window later), so a cut is sized from the largest.
+    recent_fractions: deque = field(default_factory=lambda: deque(maxlen=3))
     added: int | None = None  # the stream's entries-added when last read
     added_mark: int | None = None  # ... at the start of the window
     window_entries: int = 0  # entries read in the window
@@ -316,6 +323,8 @@ class FleetDriftMonitor:
         self._budget_mark = self.feed.budget_total_s
         self._observed_mark = self.feed.observed
         self._drains_mark = (self.feed.drains, self.feed.drains_cut)
+        self._spent_mark = self._spending()
+        self._capacity = CapacityEstimate()
 
     # ------------------------------------------------------------------ keys
     def lease_name(self, key: tuple[str, str]) -> str:
@@ -632,6 +641,9 @@ class FleetDriftMonitor:
         drains, cut = self.feed.drains - self._drains_mark[0], self.feed.drains_cut - self._drains_mark[1]
         self._drains_mark = (self.feed.drains, self.feed.drains_cut)
         saturated = drains > 0 and 2 * cut >= drains  # the monitor's budget, not the evidence, ran out
+        spending = self._spending()
+        self._capacity.add(elapsed, budget_s, *(now - then for now, then in zip(spending, self._spent_mark)))
+        self._spent_mark = spending
         publish = self._fractions(elapsed, budget_s, fed, saturated) if elapsed != float("inf") else {}
         keys = sorted(self.outbox.versions_seen(self.idle_s) | self.watches.keys())
         try:
@@ -650,15 +662,26 @@ class FleetDriftMonitor:
         self.fleet_fractions = {k: v for k, v in self.fleet_fractions.items() if v[1] > now}
         self.feed.set_version_fractions({k: v[0] for k, v in self.fleet_fractions.items()})
 
+    def _spending(self) -> tuple[float, float, int, float, int]:
+        """The feed's running totals :meth:`CapacityEstimate.add` takes the differences of."""
+        f = self.feed
+        return (f.spent_total_s, f.observe_total_s, f.observed, f.forward_total_s, f.forwarded)
+
     def _fractions(self, elapsed_s: float, budget_s: float, fed: int,
                    saturated: bool) -> dict[tuple[str, str], float]:
         """Each owned version's next fraction: its inflow (outcomes/s, at the fraction now in force, plus its
         lag to work off) scaled so that all owned versions' inflow fills ``margin`` of the monitor's budget.
 
-        When the monitor ran out of budget with evidence left (``saturated``), its capacity is what it fed
-        in the window (what forwarding this replica's own steps took of the budget is accounted for) and
-        the fraction moves to fit it. Otherwise it kept up: the fraction only grows, by at most ×1.1 a
-        window, and no further than the budget over the measured cost per request-step affords."""
+        Its capacity is the budget left after the monitor's overheads (forwarding this replica's own
+        steps, calibrations, the entries' callbacks) over its cost per request-step, both measured by the
+        feed and smoothed over several windows (:class:`CapacityEstimate`); saturated (ticks that worked ran
+        out with evidence left), the fraction only falls. Reading capacity as what the monitor fed in one
+        window instead took the fraction to the floor in the fleet benchmark: a calibration's tens of ms
+        are paid back by ticks that do nothing, each such window read as "no capacity", the fraction halved
+        window after window (1.0 to 1/4096 in 25 s) and a drop opened its alert 35 s late instead of 2 s.
+        Until the first steps are measured, capacity is what the monitor was fed in the window when it ran
+        out of budget (the fraction halves at most a window), and keeping up, the fraction grows by at most
+        ×1.1 a window; once measured it moves to fit, at most ×2 up or ÷2 down a window."""
         ceiling = self.feed.max_fraction
         cost = self.feed.cost_s
         demand: dict[tuple[str, str], float] = {}
@@ -677,8 +700,20 @@ class FleetDriftMonitor:
         if elapsed_s <= 0.0:
             return {w.key: w.fraction for w in owned if w.fraction is not None}  # keep it alive, unchanged
         total = sum(demand.values())
-        if saturated:
-            capacity = fed / elapsed_s  # request-steps/s the monitor is fed within its budget
+        fit = self._capacity.scale(total, self.margin) if total > 0.0 else None
+        afforded = self._capacity.steps_per_s(self.margin)
+        if afforded is not None:  # evidence more than a few seconds of work behind is stale: shed it
+            self.feed.inbound_limit = int(min(self.feed.max_buffered, max(MIN_INBOUND, STALE_S * afforded)))
+        if fit is not None:
+            # The budget left after the fixed overheads over what the inflow costs at the fraction now in
+            # force (observing every outcome, forwarding this replica's own): measured over several windows,
+            # so a calibration (tens of ms paid back by idle ticks) or a collection is spread out.
+            capacity = total * fit / self.margin
+            scale = min(GROWTH, fit) if not saturated else min(1.0, fit)
+        elif saturated:
+            # No cost per step measured yet (forwarding alone may eat the budget, so nothing is observed):
+            # what the monitor was fed within its budget.
+            capacity = fed / elapsed_s
             scale = self.margin * capacity / total if total > 0.0 else 1.0
         else:
             capacity = budget_s / cost / elapsed_s if cost and budget_s > 0.0 else float("inf")
@@ -687,13 +722,18 @@ class FleetDriftMonitor:
         for w in owned:
             current = w.fraction if w.fraction is not None else ceiling
             if w.key in demand:
-                target = min(ceiling, 1.5 * current, max(current * scale, current / 2.0, self.min_fraction))
+                # Sized from the fraction that admitted the inflow measured, not compounded on the last cut:
+                # a cut shows in the inflow only a window or two later, and cutting again on the old inflow
+                # took the fraction far below what the budget affords (a windup).
+                basis = max([current, *w.recent_fractions]) if scale < 1.0 else current
+                target = min(ceiling, GROWTH * current, max(basis * scale, current / 2.0, self.min_fraction))
                 if target != current:
                     log.debug("drift monitor of %s: inflow %.0f/s for %.0f/s of budget, fleet fraction %.4f -> %.4f",
                               w.label, demand[w.key], capacity, current, target)
                     w.counts["fraction_changes"] += 1
                 current = target
             w.fraction = max(self.min_fraction, min(ceiling, current))
+            w.recent_fractions.append(w.fraction)
             out[w.key] = w.fraction
         return out
 
@@ -794,6 +834,75 @@ class FleetDriftMonitor:
     def stats(self) -> dict[str, Any]:
         return {"counts": dict(self.counts), "outbox": self.outbox.stats(), "leases": self.leases.stats(),
                 "versions": self.status()}
+
+
+@dataclass
+class CapacityEstimate:
+    """What the owner's monitor costs, from its feed's measured CPU, smoothed in time.
+
+    Per admission window: the budget handed out; what the drains spent; the part observing request-steps
+    (calibrations left out) and the steps observed; the part forwarding this replica's own kept steps and
+    how many. Observing costs every admitted outcome, forwarding this replica's share, and the rest
+    (calibrations, callbacks, shedding) is a fixed overhead: the fraction scales the first two only. Each
+    term is an exponentially weighted rate with time constant ``horizon_s``, so one window spent paying
+    back a calibration does not read as "no capacity".
+
+    >>> c = CapacityEstimate(horizon_s=10.0)
+    >>> c.scale(1000.0, 0.8) is None
+    True
+    >>> for _ in range(30):  # 20 ms of budget a second: 1,000 steps at 10 µs, 1,000 forwarded at 2 µs
+    ...     c.add(1.0, 0.020, 0.012, 0.010, 1000, 0.002, 1000)
+    >>> round(c.scale(1000.0, 0.8), 2)  # 16 ms a second to spend, 12 ms spent: room for a third more
+    1.33
+    >>> c.add(1.0, 0.020, 0.082, 0.010, 1000, 0.002, 1000)  # a 70 ms calibration ...
+    >>> c.add(1.0, 0.020, 0.0, 0.0, 0, 0.0, 0)  # ... paid back by the next windows' ticks
+    >>> 0.5 < c.scale(1000.0, 0.8) < 1.0  # a dip (spread over the horizon), not a collapse
+    True
+    """
+
+    horizon_s: float = 10.0
+    weight: float = 0.0
+    budget: float = 0.0  # CPU seconds of budget a second
+    fixed: float = 0.0  # CPU seconds a second spent besides observing and forwarding
+    observe_s: float = 0.0  # CPU seconds observing ...
+    observed: float = 0.0  # ... the request-steps observed in them
+    forward_s: float = 0.0  # CPU seconds forwarding ...
+    forwarded: float = 0.0  # ... the request-steps forwarded in them
+    forward_rate: float = 0.0  # request-steps a second forwarded
+
+    def add(self, elapsed_s: float, budget_s: float, spent_s: float, observe_s: float, observed: int,
+            forward_s: float, forwarded: int) -> None:
+        if not 0.0 < elapsed_s < float("inf"):
+            return
+        keep = math.exp(-elapsed_s / self.horizon_s)
+        self.weight = keep * self.weight + (1 - keep)
+        self.budget = keep * self.budget + (1 - keep) * budget_s / elapsed_s
+        self.fixed = keep * self.fixed + (1 - keep) * max(0.0, spent_s - observe_s - forward_s) / elapsed_s
+        self.forward_rate = keep * self.forward_rate + (1 - keep) * forwarded / elapsed_s
+        self.observe_s, self.observed = keep * self.observe_s + observe_s, keep * self.observed + observed
+        self.forward_s, self.forwarded = keep * self.forward_s + forward_s, keep * self.forwarded + forwarded
+
+    def steps_per_s(self, margin: float) -> float | None:
+        """Request-steps a second ``margin`` of the budget affords after the fixed overheads and this
+        replica's forwarding; None until a cost per step is measured."""
+        if self.observed < 50 or self.observe_s <= 0.0 or self.weight <= 0.0:
+            return None
+        per_forward = self.forward_s / self.forwarded if self.forwarded > 0 else 0.0
+        left = (margin * self.budget - self.fixed - self.forward_rate * per_forward) / self.weight
+        return max(0.0, left) / (self.observe_s / self.observed)
+
+    def scale(self, inflow: float, margin: float) -> float | None:
+        """The factor on the fraction now in force that makes an inflow of ``inflow`` request-steps a second
+        to observe (and this replica's forwarding, at its rate now) fill ``margin`` of the budget left after
+        the fixed overheads; None until enough steps are observed for a cost per step."""
+        if self.observed < 50 or self.observe_s <= 0.0 or self.weight <= 0.0:
+            return None
+        per_step = self.observe_s / self.observed
+        per_forward = self.forward_s / self.forwarded if self.forwarded > 0 else 0.0
+        # The rates are weighted means over the windows seen so far: divide by the weight gathered.
+        left = margin * self.budget / self.weight - self.fixed / self.weight
+        load = inflow * per_step + self.forward_rate / self.weight * per_forward
+        return max(0.0, left) / load if load > 0.0 else None
 
 
 def _limits_of(key: tuple[str, str]) -> StreamLimits:

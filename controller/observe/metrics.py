@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from controller.observe.metrics_gc import gc_families, gc_pauses
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import controller_pb2, plan_pb2
 
@@ -606,6 +607,7 @@ class _Families:
 
     def collect(self) -> Iterator[Metric]:
         yield from metric_families(self.snap)
+        yield from gc_families(gc_pauses().snapshot())  # process-wide, like PROCESS
         yield from PROCESS.collect()
 
 

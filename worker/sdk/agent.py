@@ -16,12 +16,15 @@ network:
   it is full the oldest step is dropped and counted, the engine never waits.
 
 Request states (issue #28, :mod:`policies.outcome`): while the plan in force
-has state tables (``Plan.state_tables``), ``observe`` also keeps each
-request's last outcome (after a miss, after a full accept; a plain step
-resets it) in a bounded dict that ``finish`` empties, and ``decide`` picks the
-state's table: one more dict lookup. The engine changes nothing for it. The
-decision path (plan, overrides, states) is :class:`LocalDecisions`, which the
-policy benchmark's simulated workers run too.
+has state tables (``Plan.state_tables``, ``Plan.later_state_tables``),
+``observe`` also keeps each request's state (after a miss, after a full
+accept, resting after a miss for up to 8 plain steps; any other plain step
+resets it) in bounded dicts that ``finish`` empties, and ``decide`` picks the
+state's table: one more dict lookup (a default-state request reads the
+plan's ``REQUEST_STATE_OTHER`` table, compiled in as its default table, so
+no lookup more). The engine changes nothing for it. The decision path (plan,
+overrides, states) is :class:`LocalDecisions`, which the policy benchmark's
+simulated workers run too.
 
 A background task holds the Connect stream: it sends Hello, batches queued
 telemetry into ``StepReports``, validates every Plan and RequestDecisions it
@@ -64,7 +67,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 import grpc
 
-from policies.outcome import AFTER_HIT, AFTER_MISS, DEFAULT, TRACKED_STATES
+from policies.outcome import AFTER_HIT, AFTER_MISS, DEFAULT, OTHER, REST_STEPS, RESTING, TABLE_STATES
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import controller_pb2_grpc, plan_pb2, worker_pb2
 from worker.sdk.placement import HEALTH_CHECK, Endpoint, Placement, Targets, health_request, health_serving
@@ -245,49 +248,72 @@ class OutcomeTracker:
 
     Only requests in a tracked state are held (the default state is the
     absence of an entry), so a request that drafts part-way or plainly costs
-    nothing to keep; ``forget`` drops a finished request. Bounded by
-    ``max_requests``: past it the entries that have been held longest go
-    first (those of requests that left without a ``finish``).
+    nothing to keep; ``forget`` drops a finished request. ``states`` holds
+    the state ``decide`` looks up, ``rested`` how long each resting request
+    has rested. Bounded by ``max_requests``: past it the entries that have
+    been held longest go first (those of requests that left without a
+    ``finish``).
 
     >>> from worker.sdk.telemetry import RequestTelemetry as R, StepTelemetry as S
     >>> t = OutcomeTracker()
     >>> t.observe(S(1, 0.0, 3, 1.0, 1.0, [R("a", 10, depth=4), R("b", 10, depth=4, accepted=4), R("c", 10)]))
     >>> t.state("a"), t.state("b"), t.state("c")
     (1, 2, 0)
-    >>> t.observe(S(2, 0.0, 1, 0.0, 1.0, [R("a", 11)]))  # a plain step: back to the default state
-    >>> t.state("a")
-    0
+    >>> t.observe(S(2, 0.0, 2, 0.0, 1.0, [R("a", 11), R("b", 15)]))  # plain steps: a rests, b is back to default
+    >>> t.state("a"), t.rest("a"), t.state("b")
+    (3, 1, 0)
     """
 
-    __slots__ = ("states", "max_requests")
+    __slots__ = ("states", "rested", "max_requests")
 
     def __init__(self, max_requests: int = MAX_TRACKED_REQUESTS) -> None:
         self.states: dict[str, int] = {}
+        self.rested: dict[str, int] = {}
         self.max_requests = max_requests
 
     def observe(self, step: StepTelemetry) -> None:
-        states = self.states
+        states, rested = self.states, self.rested
         for r in step.requests:
             # policies.outcome.next_state, inline: this runs for every request of every step.
-            depth, accepted = r.depth, r.accepted
-            state = DEFAULT if depth <= 0 else AFTER_MISS if accepted <= 0 else AFTER_HIT if accepted >= depth \
-                else DEFAULT
+            # (A rest count is read only while its request rests and set when a rest begins,
+            # so one left behind by a request that drafted again needs no removing.)
+            rid, depth = r.request_id, r.depth
+            if depth > 0:
+                accepted = r.accepted
+                state = AFTER_MISS if accepted <= 0 else AFTER_HIT if accepted >= depth else DEFAULT
+            else:  # plain: a miss starts a rest, a rest runs REST_STEPS steps, anything else is the default
+                previous = states.get(rid, DEFAULT) if states else DEFAULT
+                if previous == AFTER_MISS:
+                    state = RESTING
+                    rested[rid] = 1
+                elif previous == RESTING and rested.get(rid, REST_STEPS) < REST_STEPS:  # a count trimmed: over
+                    rested[rid] += 1
+                    continue
+                else:
+                    state = DEFAULT
             if state:
-                states[r.request_id] = state
+                states[rid] = state
             elif states:
-                states.pop(r.request_id, None)
-        if len(states) > self.max_requests:
-            for rid in list(states)[: len(states) - self.max_requests // 2]:
                 states.pop(rid, None)
+        if len(states) > self.max_requests or len(rested) > self.max_requests:
+            for held in (states, rested):
+                for rid in list(held)[: max(len(held) - self.max_requests // 2, 0)]:
+                    held.pop(rid, None)
 
     def state(self, request_id: str) -> int:
         return self.states.get(request_id, DEFAULT)
 
+    def rest(self, request_id: str) -> int:
+        """Plain steps a resting request has run since its miss (0: not resting)."""
+        return self.rested.get(request_id, 0) if self.states.get(request_id) == RESTING else 0
+
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self.rested.pop(request_id, None)
 
     def clear(self) -> None:
         self.states.clear()
+        self.rested.clear()
 
 
 class LocalDecisions:
@@ -415,15 +441,22 @@ def _decisions(cells, hello: worker_pb2.Hello, path: str) -> tuple[Decision, ...
 
 
 def compile_states(plan: plan_pb2.Plan, hello: worker_pb2.Hello, table: DecisionTable) -> dict[int, DecisionTable]:
-    """``plan.state_tables`` over the edges of its compiled ``table``, or ValueError
-    naming the field: each entry names a tracked state (AFTER_MISS, AFTER_HIT) once,
-    and its table is checked like the plan table (length, drafter limits)."""
+    """``plan.state_tables`` and ``plan.later_state_tables`` over the edges of its
+    compiled ``table``, or ValueError naming the field: each entry names a tracked
+    state (AFTER_MISS, AFTER_HIT, RESTING) once across both fields, and its table
+    is checked like the plan table (length, drafter limits). An entry of
+    ``later_state_tables`` whose state this worker does not know is skipped (its
+    requests stay on ``table``, as on a worker that predates the state); in
+    ``state_tables`` it is refused."""
     out: dict[int, DecisionTable] = {}
     cells = len(table.batch_edges) * len(table.context_edges)
-    for i, sp in enumerate(plan.state_tables):
-        path = f"state_tables[{i}]"
-        if sp.state not in TRACKED_STATES:
-            known = ", ".join(plan_pb2.RequestState.Name(s) for s in TRACKED_STATES)
+    entries = [(f"state_tables[{i}]", sp, False) for i, sp in enumerate(plan.state_tables)]
+    entries += [(f"later_state_tables[{i}]", sp, True) for i, sp in enumerate(plan.later_state_tables)]
+    for path, sp, later in entries:
+        if sp.state not in TABLE_STATES:
+            if later and sp.state != DEFAULT:
+                continue  # a state added after this worker: its requests are decided by `table`
+            known = ", ".join(plan_pb2.RequestState.Name(s) for s in TABLE_STATES)
             what = ("the default state, whose table is Plan.table" if sp.state == DEFAULT
                     else "not a RequestState this worker knows")
             raise ValueError(f"{path}.state = {sp.state} is {what} (expected one of {known})")
@@ -449,7 +482,7 @@ def compile_classes(plan: plan_pb2.Plan, hello: worker_pb2.Hello, table: Decisio
     if not plan.classes:
         if plan.default_class:
             raise ValueError(f"default_class = {plan.default_class!r} but the plan lists no classes")
-        return CompiledPlan(table, table, state_tables=states) if states else CompiledPlan.single(table)
+        return CompiledPlan(table, states.get(OTHER, table), state_tables=states) if states else CompiledPlan.single(table)
     cells = len(table.batch_edges) * len(table.context_edges)
     tables: dict[str, DecisionTable] = {}
     rules: dict[str, AcceptanceRule] = {}
@@ -481,7 +514,8 @@ def compile_classes(plan: plan_pb2.Plan, hello: worker_pb2.Hello, table: Decisio
     if plan.default_class not in tables:
         raise ValueError(f"default_class = {plan.default_class!r} is not one of the plan's classes {list(tables)}")
     default = plan.default_class
-    return CompiledPlan(table, tables[default], tables, rules, default, rules[default], state_tables=states)
+    return CompiledPlan(table, states.get(OTHER, tables[default]), tables, rules, default, rules[default],
+                        state_tables=states)
 
 
 class SpeculationAgent:

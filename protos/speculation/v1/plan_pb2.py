@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19speculation/v1/plan.proto\x12\x0especulation.v1\";\n\x08\x44\x65\x63ision\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12\x11\n\tmax_nodes\x18\x03 \x01(\r\"\xbc\x02\n\x04Plan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\t\x12\x18\n\x10\x62\x61tch_size_edges\x18\x03 \x03(\r\x12\x19\n\x11\x63ontext_len_edges\x18\x04 \x03(\r\x12\'\n\x05table\x18\x05 \x03(\x0b\x32\x18.speculation.v1.Decision\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12\x1e\n\x16\x65xpected_goodput_tok_s\x18\x08 \x01(\x01\x12*\n\x07\x63lasses\x18\t \x03(\x0b\x32\x19.speculation.v1.ClassPlan\x12\x15\n\rdefault_class\x18\n \x01(\t\x12/\n\x0cstate_tables\x18\x0b \x03(\x0b\x32\x19.speculation.v1.StatePlan\"a\n\tStatePlan\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.speculation.v1.RequestState\x12\'\n\x05table\x18\x02 \x03(\x0b\x32\x18.speculation.v1.Decision\"\xab\x01\n\tClassPlan\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05table\x18\x02 \x03(\x0b\x32\x18.speculation.v1.Decision\x12\x37\n\x0f\x61\x63\x63\x65ptance_rule\x18\x03 \x01(\x0e\x32\x1e.speculation.v1.AcceptanceRule\x12\x17\n\x0ftypical_epsilon\x18\x04 \x01(\x01\x12\x15\n\rtypical_delta\x18\x05 \x01(\x01\"a\n\x0fRequestDecision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x18.speculation.v1.Decision\x12\x0e\n\x06reason\x18\x03 \x01(\t\"w\n\x10RequestDecisions\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\t\x12\x32\n\tdecisions\x18\x03 \x03(\x0b\x32\x1f.speculation.v1.RequestDecision\x12\x0f\n\x07\x63leared\x18\x04 \x03(\t\"i\n\tRejection\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.speculation.v1.RejectReason\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0f\n\x07step_id\x18\x04 \x01(\x04\"@\n\x10TelemetryReceipt\x12\x14\n\x0clast_step_id\x18\x01 \x01(\x04\x12\x16\n\x0esteps_received\x18\x02 \x01(\x04\"\xe8\x01\n\x11\x43ontrollerMessage\x12$\n\x04plan\x18\x01 \x01(\x0b\x32\x14.speculation.v1.PlanH\x00\x12=\n\x11request_decisions\x18\x02 \x01(\x0b\x32 .speculation.v1.RequestDecisionsH\x00\x12.\n\trejection\x18\x03 \x01(\x0b\x32\x19.speculation.v1.RejectionH\x00\x12\x33\n\x07receipt\x18\x04 \x01(\x0b\x32 .speculation.v1.TelemetryReceiptH\x00\x42\t\n\x07payload*h\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18REQUEST_STATE_AFTER_MISS\x10\x01\x12\x1b\n\x17REQUEST_STATE_AFTER_HIT\x10\x02*j\n\x0e\x41\x63\x63\x65ptanceRule\x12\x1f\n\x1b\x41\x43\x43\x45PTANCE_RULE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x43\x43\x45PTANCE_RULE_STRICT\x10\x01\x12\x1b\n\x17\x41\x43\x43\x45PTANCE_RULE_TYPICAL\x10\x02*\xe8\x01\n\x0cRejectReason\x12\x1d\n\x19REJECT_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17REJECT_REASON_MALFORMED\x10\x01\x12\x1a\n\x16REJECT_REASON_NO_HELLO\x10\x02\x12\x1f\n\x1bREJECT_REASON_INVALID_FIELD\x10\x03\x12!\n\x1dREJECT_REASON_UNKNOWN_REQUEST\x10\x04\x12\x1c\n\x18REJECT_REASON_STALE_STEP\x10\x05\x12\x1e\n\x1aREJECT_REASON_UNKNOWN_PLAN\x10\x06\x42o\n\x1a\x64\x65v.specctl.speculation.v1B\tPlanProtoP\x01Z+specctl/gen/go/speculation/v1;speculationv1\xaa\x02\x16Specctl.Speculation.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19speculation/v1/plan.proto\x12\x0especulation.v1\";\n\x08\x44\x65\x63ision\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12\x11\n\tmax_nodes\x18\x03 \x01(\r\"\xf3\x02\n\x04Plan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\t\x12\x18\n\x10\x62\x61tch_size_edges\x18\x03 \x03(\r\x12\x19\n\x11\x63ontext_len_edges\x18\x04 \x03(\r\x12\'\n\x05table\x18\x05 \x03(\x0b\x32\x18.speculation.v1.Decision\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12\x1e\n\x16\x65xpected_goodput_tok_s\x18\x08 \x01(\x01\x12*\n\x07\x63lasses\x18\t \x03(\x0b\x32\x19.speculation.v1.ClassPlan\x12\x15\n\rdefault_class\x18\n \x01(\t\x12/\n\x0cstate_tables\x18\x0b \x03(\x0b\x32\x19.speculation.v1.StatePlan\x12\x35\n\x12later_state_tables\x18\x0c \x03(\x0b\x32\x19.speculation.v1.StatePlan\"a\n\tStatePlan\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.speculation.v1.RequestState\x12\'\n\x05table\x18\x02 \x03(\x0b\x32\x18.speculation.v1.Decision\"\xab\x01\n\tClassPlan\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05table\x18\x02 \x03(\x0b\x32\x18.speculation.v1.Decision\x12\x37\n\x0f\x61\x63\x63\x65ptance_rule\x18\x03 \x01(\x0e\x32\x1e.speculation.v1.AcceptanceRule\x12\x17\n\x0ftypical_epsilon\x18\x04 \x01(\x01\x12\x15\n\rtypical_delta\x18\x05 \x01(\x01\"a\n\x0fRequestDecision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x18.speculation.v1.Decision\x12\x0e\n\x06reason\x18\x03 \x01(\t\"w\n\x10RequestDecisions\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\t\x12\x32\n\tdecisions\x18\x03 \x03(\x0b\x32\x1f.speculation.v1.RequestDecision\x12\x0f\n\x07\x63leared\x18\x04 \x03(\t\"i\n\tRejection\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.speculation.v1.RejectReason\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0f\n\x07step_id\x18\x04 \x01(\x04\"@\n\x10TelemetryReceipt\x12\x14\n\x0clast_step_id\x18\x01 \x01(\x04\x12\x16\n\x0esteps_received\x18\x02 \x01(\x04\"\xe8\x01\n\x11\x43ontrollerMessage\x12$\n\x04plan\x18\x01 \x01(\x0b\x32\x14.speculation.v1.PlanH\x00\x12=\n\x11request_decisions\x18\x02 \x01(\x0b\x32 .speculation.v1.RequestDecisionsH\x00\x12.\n\trejection\x18\x03 \x01(\x0b\x32\x19.speculation.v1.RejectionH\x00\x12\x33\n\x07receipt\x18\x04 \x01(\x0b\x32 .speculation.v1.TelemetryReceiptH\x00\x42\t\n\x07payload*\x9c\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18REQUEST_STATE_AFTER_MISS\x10\x01\x12\x1b\n\x17REQUEST_STATE_AFTER_HIT\x10\x02\x12\x19\n\x15REQUEST_STATE_RESTING\x10\x03\x12\x17\n\x13REQUEST_STATE_OTHER\x10\x04*j\n\x0e\x41\x63\x63\x65ptanceRule\x12\x1f\n\x1b\x41\x43\x43\x45PTANCE_RULE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x43\x43\x45PTANCE_RULE_STRICT\x10\x01\x12\x1b\n\x17\x41\x43\x43\x45PTANCE_RULE_TYPICAL\x10\x02*\xe8\x01\n\x0cRejectReason\x12\x1d\n\x19REJECT_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17REJECT_REASON_MALFORMED\x10\x01\x12\x1a\n\x16REJECT_REASON_NO_HELLO\x10\x02\x12\x1f\n\x1bREJECT_REASON_INVALID_FIELD\x10\x03\x12!\n\x1dREJECT_REASON_UNKNOWN_REQUEST\x10\x04\x12\x1c\n\x18REJECT_REASON_STALE_STEP\x10\x05\x12\x1e\n\x1aREJECT_REASON_UNKNOWN_PLAN\x10\x06\x42o\n\x1a\x64\x65v.specctl.speculation.v1B\tPlanProtoP\x01Z+specctl/gen/go/speculation/v1;speculationv1\xaa\x02\x16Specctl.Speculation.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,28 +32,28 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'speculation.v1.plan_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\032dev.specctl.speculation.v1B\tPlanProtoP\001Z+specctl/gen/go/speculation/v1;speculationv1\252\002\026Specctl.Speculation.V1'
-  _globals['_REQUESTSTATE']._serialized_start=1326
-  _globals['_REQUESTSTATE']._serialized_end=1430
-  _globals['_ACCEPTANCERULE']._serialized_start=1432
-  _globals['_ACCEPTANCERULE']._serialized_end=1538
-  _globals['_REJECTREASON']._serialized_start=1541
-  _globals['_REJECTREASON']._serialized_end=1773
+  _globals['_REQUESTSTATE']._serialized_start=1382
+  _globals['_REQUESTSTATE']._serialized_end=1538
+  _globals['_ACCEPTANCERULE']._serialized_start=1540
+  _globals['_ACCEPTANCERULE']._serialized_end=1646
+  _globals['_REJECTREASON']._serialized_start=1649
+  _globals['_REJECTREASON']._serialized_end=1881
   _globals['_DECISION']._serialized_start=45
   _globals['_DECISION']._serialized_end=104
   _globals['_PLAN']._serialized_start=107
-  _globals['_PLAN']._serialized_end=423
-  _globals['_STATEPLAN']._serialized_start=425
-  _globals['_STATEPLAN']._serialized_end=522
-  _globals['_CLASSPLAN']._serialized_start=525
-  _globals['_CLASSPLAN']._serialized_end=696
-  _globals['_REQUESTDECISION']._serialized_start=698
-  _globals['_REQUESTDECISION']._serialized_end=795
-  _globals['_REQUESTDECISIONS']._serialized_start=797
-  _globals['_REQUESTDECISIONS']._serialized_end=916
-  _globals['_REJECTION']._serialized_start=918
-  _globals['_REJECTION']._serialized_end=1023
-  _globals['_TELEMETRYRECEIPT']._serialized_start=1025
-  _globals['_TELEMETRYRECEIPT']._serialized_end=1089
-  _globals['_CONTROLLERMESSAGE']._serialized_start=1092
-  _globals['_CONTROLLERMESSAGE']._serialized_end=1324
+  _globals['_PLAN']._serialized_end=478
+  _globals['_STATEPLAN']._serialized_start=480
+  _globals['_STATEPLAN']._serialized_end=577
+  _globals['_CLASSPLAN']._serialized_start=580
+  _globals['_CLASSPLAN']._serialized_end=751
+  _globals['_REQUESTDECISION']._serialized_start=753
+  _globals['_REQUESTDECISION']._serialized_end=850
+  _globals['_REQUESTDECISIONS']._serialized_start=852
+  _globals['_REQUESTDECISIONS']._serialized_end=971
+  _globals['_REJECTION']._serialized_start=973
+  _globals['_REJECTION']._serialized_end=1078
+  _globals['_TELEMETRYRECEIPT']._serialized_start=1080
+  _globals['_TELEMETRYRECEIPT']._serialized_end=1144
+  _globals['_CONTROLLERMESSAGE']._serialized_start=1147
+  _globals['_CONTROLLERMESSAGE']._serialized_end=1379
 # @@protoc_insertion_point(module_scope)

@@ -12,6 +12,8 @@ class RequestState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REQUEST_STATE_UNSPECIFIED: _ClassVar[RequestState]
     REQUEST_STATE_AFTER_MISS: _ClassVar[RequestState]
     REQUEST_STATE_AFTER_HIT: _ClassVar[RequestState]
+    REQUEST_STATE_RESTING: _ClassVar[RequestState]
+    REQUEST_STATE_OTHER: _ClassVar[RequestState]
 
 class AcceptanceRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +33,8 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 REQUEST_STATE_UNSPECIFIED: RequestState
 REQUEST_STATE_AFTER_MISS: RequestState
 REQUEST_STATE_AFTER_HIT: RequestState
+REQUEST_STATE_RESTING: RequestState
+REQUEST_STATE_OTHER: RequestState
 ACCEPTANCE_RULE_UNSPECIFIED: AcceptanceRule
 ACCEPTANCE_RULE_STRICT: AcceptanceRule
 ACCEPTANCE_RULE_TYPICAL: AcceptanceRule
@@ -53,7 +57,7 @@ class Decision(_message.Message):
     def __init__(self, depth: _Optional[int] = ..., width: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("version", "nonce", "batch_size_edges", "context_len_edges", "table", "policy", "created_at", "expected_goodput_tok_s", "classes", "default_class", "state_tables")
+    __slots__ = ("version", "nonce", "batch_size_edges", "context_len_edges", "table", "policy", "created_at", "expected_goodput_tok_s", "classes", "default_class", "state_tables", "later_state_tables")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_EDGES_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +69,7 @@ class Plan(_message.Message):
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_CLASS_FIELD_NUMBER: _ClassVar[int]
     STATE_TABLES_FIELD_NUMBER: _ClassVar[int]
+    LATER_STATE_TABLES_FIELD_NUMBER: _ClassVar[int]
     version: int
     nonce: str
     batch_size_edges: _containers.RepeatedScalarFieldContainer[int]
@@ -76,7 +81,8 @@ class Plan(_message.Message):
     classes: _containers.RepeatedCompositeFieldContainer[ClassPlan]
     default_class: str
     state_tables: _containers.RepeatedCompositeFieldContainer[StatePlan]
-    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., batch_size_edges: _Optional[_Iterable[int]] = ..., context_len_edges: _Optional[_Iterable[int]] = ..., table: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., expected_goodput_tok_s: _Optional[float] = ..., classes: _Optional[_Iterable[_Union[ClassPlan, _Mapping]]] = ..., default_class: _Optional[str] = ..., state_tables: _Optional[_Iterable[_Union[StatePlan, _Mapping]]] = ...) -> None: ...
+    later_state_tables: _containers.RepeatedCompositeFieldContainer[StatePlan]
+    def __init__(self, version: _Optional[int] = ..., nonce: _Optional[str] = ..., batch_size_edges: _Optional[_Iterable[int]] = ..., context_len_edges: _Optional[_Iterable[int]] = ..., table: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., policy: _Optional[str] = ..., created_at: _Optional[float] = ..., expected_goodput_tok_s: _Optional[float] = ..., classes: _Optional[_Iterable[_Union[ClassPlan, _Mapping]]] = ..., default_class: _Optional[str] = ..., state_tables: _Optional[_Iterable[_Union[StatePlan, _Mapping]]] = ..., later_state_tables: _Optional[_Iterable[_Union[StatePlan, _Mapping]]] = ...) -> None: ...
 
 class StatePlan(_message.Message):
     __slots__ = ("state", "table")
