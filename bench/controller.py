@@ -22,7 +22,9 @@ Processes (``multiprocessing`` spawn; every one is stopped in ``finally``):
   (≈8 requests per step, chain depth 3, per-request context lengths that grow
   as tokens are generated, request ids that rotate with a ``RequestFinished``
   when a request ends). Messages are wire-encoded by hand from per-request
-  byte templates so the generator stays cheap. Like the real agent, a worker
+  byte templates so the generator stays cheap, and the workers' flush ticks
+  sit on a ``TICK_GRID_S`` grid (shifted per generator) so the workers of one
+  slot wake their process once. Like the real agent, a worker
   whose writes block queues at most 4096 steps (oldest dropped) and sends at
   most 64 per message. Every Plan / RequestDecisions is ACKed at once.
 - the **parent**: runs the phases, shows progress, times
@@ -110,6 +112,11 @@ STREAMS_PER_CHANNEL = 32
 # 256 workers on one loop a plan waited there behind the other workers'
 # sends (tens of ms on a busy machine), time a real worker's agent never spends.
 WORKERS_PER_GENERATOR = 32
+# Flush ticks of one generator's workers are rounded to this grid (each generator's
+# grid shifted by shard / shards of it, so the fleet's ticks still spread over the
+# interval): the workers on one slot wake the process once. One wake-up per worker
+# tick cost the generator about as much CPU again as all else it does per step.
+TICK_GRID_S = 0.020
 CHAIN_DEPTH = 3
 ALPHA = 0.75  # per-position chain acceptance of the simulated drafter
 STATUS_TIMEOUT_S = 15.0
@@ -158,6 +165,18 @@ _STEP_TAIL = struct.Struct("<BdBBBdBd")  # timestamp(2) batch_size(3) draft_ms(4
 # RequestStep fields after context_len: depth(3)=3 width(4)=1 nodes(5)=3 [accepted(6)].
 _CHAIN_TAIL = [bytes((0x18, CHAIN_DEPTH, 0x20, 1, 0x28, CHAIN_DEPTH)) + (bytes((0x30, a)) if a else b"")
                for a in range(CHAIN_DEPTH + 1)]
+# StepReport.requests(6) tag + length for a RequestStep of n bytes (every one is well under 256).
+_REQUEST_HEAD = [b"\x32" + (_SMALL[n] if n < 0x80 else bytes((n & 0x7F | 0x80, n >> 7))) for n in range(256)]
+_CTX_FIELDS_BELOW = 1 << 16  # context lengths with a pre-encoded field (the bench's reach ~43k)
+_ctx_fields: list[bytes] = []
+
+
+def context_fields() -> list[bytes]:
+    """``context_len``(2) field bytes for every context length below 65,536, built once per process:
+    a list lookup instead of a varint encoding per request-step."""
+    if not _ctx_fields:
+        _ctx_fields.extend(b"\x10" + varint(n) for n in range(_CTX_FIELDS_BELOW))
+    return _ctx_fields
 
 
 def field_bytes(tag: int, payload: bytes) -> bytes:
@@ -182,17 +201,29 @@ def bench_hello(worker_id: str) -> worker_pb2.Hello:
 class WireLoadWorker:
     """One load-generating worker: its telemetry produced at a fixed rate and
     wire-encoded by hand for a raw gRPC stream (not the simulator's
-    ``worker.sim.worker.SimWorker``, which models an engine and its acceptance)."""
+    ``worker.sim.worker.SimWorker``, which models an engine and its acceptance).
 
-    def __init__(self, index: int, steps_per_s: float, seed: int) -> None:
+    ``tick_grid_s``: the worker's flush ticks (offset in ``[0, FLUSH_S)``,
+    drawn per worker) are rounded down to this grid, shifted by
+    ``grid_phase_s``; the workers of one generator process that share a grid
+    slot then wake its event loop once, not once each (a wake-up with its
+    timer, its task switches and its gRPC write completions cost the process
+    more than encoding the steps). 0: no grid, the drawn offset as is.
+    """
+
+    def __init__(self, index: int, steps_per_s: float, seed: int, tick_grid_s: float = 0.0,
+                 grid_phase_s: float = 0.0) -> None:
         self.rng = random.Random(seed * 100_003 + index)
         self.worker_id = f"bench-w{index:04d}"
         self.hello_bytes = worker_pb2.WorkerMessage(hello=bench_hello(self.worker_id)).SerializeToString()
         self.rate = steps_per_s
         self.batch = 6 + index % 5  # 6..10 requests per step, mean 8
-        self.offset = self.rng.random() * FLUSH_S  # stagger the ticks
+        drawn = self.rng.random() * FLUSH_S  # stagger the ticks
+        self.offset = (grid_phase_s + tick_grid_s * math.floor(drawn / tick_grid_s)) if tick_grid_s > 0 else drawn
         # τ for a chain of depth 3 with per-position acceptance ALPHA, as a cycle (prime length).
         self.acc = [self._accepted() for _ in range(1009)]
+        # The cycle with its first batch repeated: one step's draws are one slice, never wrapped.
+        self.acc_ext = self.acc + self.acc[:self.batch]
         self.acc_i = 0
         self.step_id = 0
         self.next_request = 0
@@ -201,6 +232,7 @@ class WireLoadWorker:
         self.sent = 0
         self.dropped = 0
         self.dropped_unreported = 0
+        self.ctx_fields = context_fields()
 
     def _accepted(self) -> int:
         a = 0
@@ -213,38 +245,43 @@ class WireLoadWorker:
         self.next_request += 1
         ctx = int(math.exp(self.rng.uniform(math.log(200), math.log(40_000))))
         lifetime = self.rng.randint(64, 512)
-        # [id field bytes, id, context_len, steps left, generated, accepted, steps]
-        return [field_bytes(0x0A, rid.encode()), rid, ctx, lifetime, 0, 0, 0]
+        # [id field bytes, id, context_len, steps left, context_len at the start, step id before its first step].
+        # Tokens generated = context growth, steps = step ids since birth, accepted = generated - steps.
+        return [field_bytes(0x0A, rid.encode()), rid, ctx, lifetime, ctx, self.step_id]
 
     def encode_step(self, timestamp: float, finished: list[bytes]) -> bytes:
-        self.step_id += 1
-        acc, i, n = self.acc, self.acc_i, len(self.acc)
+        self.step_id = step_id = self.step_id + 1
+        b = self.batch
+        i = self.acc_i
+        accepted = self.acc_ext[i:i + b]
+        n = len(self.acc)
+        self.acc_i = i + b - n if i + b >= n else i + b
+        ctx_fields, heads, tails = self.ctx_fields, _REQUEST_HEAD, _CHAIN_TAIL
         parts = []
+        append = parts.append
         kv = 0
-        slots = self.slots
-        for k, s in enumerate(slots):
-            a = acc[i]
-            i = i + 1 if i + 1 < n else 0
+        ended = []
+        for s, a in zip(self.slots, accepted):
             ctx = s[2]
-            body = s[0] + b"\x10" + varint(ctx) + _CHAIN_TAIL[a]
-            parts.append(b"\x32" + varint(len(body)) + body)
             kv += ctx
+            body = s[0] + (ctx_fields[ctx] if ctx < _CTX_FIELDS_BELOW else b"\x10" + varint(ctx)) + tails[a]
+            append(heads[len(body)])
+            append(body)
             s[2] = ctx + a + 1
             s[3] -= 1
-            s[4] += a + 1
-            s[5] += a
-            s[6] += 1
             if s[3] <= 0:
+                ended.append(s)
+        if ended:
+            slots = self.slots
+            for s in ended:  # in slot order, as the old per-slot loop drew the new requests
+                generated, steps = s[2] - s[4], step_id - s[5]
                 finished.append(worker_pb2.WorkerMessage(finished=worker_pb2.RequestFinished(
-                    request_id=s[1], generated_tokens=s[4], steps=s[6], accepted_tokens=s[5],
+                    request_id=s[1], generated_tokens=generated, steps=steps, accepted_tokens=generated - steps,
                     timestamp=timestamp)).SerializeToString())
-                slots[k] = self._new_request()
-        self.acc_i = i
-        b = len(slots)
+                slots[next(k for k, x in enumerate(slots) if x is s)] = self._new_request()
         verify_ms = max(10.0 + 2.5e-5 * kv, 0.06 * b * (1 + CHAIN_DEPTH))
         draft_ms = 0.3 + 0.4 * CHAIN_DEPTH + 0.002 * CHAIN_DEPTH * b
-        return (b"\x08" + varint(self.step_id)
-                + _STEP_TAIL.pack(0x11, timestamp, 0x18, b, 0x21, draft_ms, 0x29, verify_ms)
+        return (b"\x08" + varint(step_id) + _STEP_TAIL.pack(0x11, timestamp, 0x18, b, 0x21, draft_ms, 0x29, verify_ms)
                 + b"".join(parts))
 
     def due_messages(self, elapsed_s: float, timestamp: float) -> tuple[list[bytes], int]:
@@ -289,6 +326,7 @@ class PhaseConfig:
     seed: int = 0
     shard: int = 0
     shards: int = 1
+    tick_grid_s: float = TICK_GRID_S
 
     @property
     def indices(self) -> range:
@@ -298,6 +336,11 @@ class PhaseConfig:
     def measures(self) -> bool:
         """The first generator opens and closes the measured window (GetStatus at both edges)."""
         return self.shard == 0
+
+    @property
+    def grid_phase_s(self) -> float:
+        """This generator's shift of the tick grid: the generators' slots interleave."""
+        return self.tick_grid_s * self.shard / self.shards
 
     @property
     def channels(self) -> int:
@@ -389,8 +432,8 @@ async def _worker(w: WireLoadWorker, call, st: GenStats, plans: list, load_t0: f
                 await asyncio.sleep(delay)
             next_tick += FLUSH_S
             now = loop.time()
-            if next_tick < now:  # fell behind: no burst of ticks, the backlog carries the steps
-                next_tick = now + FLUSH_S
+            if next_tick < now:  # fell behind: no burst of ticks, the backlog carries the steps; same grid slot
+                next_tick += FLUSH_S * math.ceil((now - next_tick) / FLUSH_S)
             msgs, n = w.due_messages(now - load_t0, time.time())
             if not msgs:
                 continue
@@ -400,6 +443,7 @@ async def _worker(w: WireLoadWorker, call, st: GenStats, plans: list, load_t0: f
             w.sent += n
             st.sent_steps += n
             st.sent_messages += len(msgs)
+            st.finished_sent += sum(m[0] == 0x1A for m in msgs)  # WorkerMessage.finished (field 3)
     except asyncio.CancelledError:
         raise
     except Exception as err:  # noqa: BLE001 - counted and reported; the stream is over
@@ -437,7 +481,7 @@ async def run_phase(cfg: PhaseConfig, report: Callable[[dict], None],
     every = channels + ([status_channel] if status_channel is not None else [])
     try:
         await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in every)), 30)
-        workers = [WireLoadWorker(i, cfg.steps_per_s, cfg.seed) for i in cfg.indices]
+        workers = [WireLoadWorker(i, cfg.steps_per_s, cfg.seed, cfg.tick_grid_s, cfg.grid_phase_s) for i in cfg.indices]
         connects = [ch.stream_stream(CONNECT) for ch in channels]
         start_wall = await start() if start is not None else time.time()
         load_t0 = loop.time() + max(0.0, start_wall - time.time())
@@ -1068,13 +1112,16 @@ def _run_phase(ctx, gens: list[Generator], name: str, server_target, server_args
 def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duration_s: float = 10.0,
                          steps_per_s: float = 50.0, *, warmup_s: float | None = None,
                          profile: bool | None = None, decide_batches: int = 20, decide_calls: int = 10_000,
-                         generators: int | None = None, config: str | None = None, console=None) -> int:
+                         generators: int | None = None, config: str | None = None, console=None,
+                         tick_grid_s: float = TICK_GRID_S) -> int:
     """Run the benchmark; write ``controller.json`` and ``controller.png`` into ``out_dir``.
 
     ``generators``: load-generator processes (default
     :func:`default_generators`: one per ``WORKERS_PER_GENERATOR`` workers).
     ``config``: a controller config file for the controller phase (default:
     ``SPECCTL_BENCH_CONFIG`` if set, else the defaults).
+    ``tick_grid_s``: the generators' tick grid (``WireLoadWorker``; 0: each
+    worker's own drawn tick).
 
     Returns 0 when the benchmark ran (goals met or not: they are reported),
     1 when it could not run.
@@ -1100,7 +1147,8 @@ def run_controller_bench(out_dir: str | os.PathLike, workers: int = 256, duratio
             console.print(f"[red]specctl bench controller: {err}")
             return 2
     warmup = warmup_s if warmup_s is not None else min(2.0, max(0.5, duration_s / 5))
-    cfg = {"workers": workers, "steps_per_s": steps_per_s, "warmup_s": warmup, "duration_s": duration_s}
+    cfg = {"workers": workers, "steps_per_s": steps_per_s, "warmup_s": warmup, "duration_s": duration_s,
+           "tick_grid_s": tick_grid_s}
     ctx = mp.get_context("spawn")
     load_before = os.getloadavg()
     phase_s: dict[str, float] = {}

@@ -70,6 +70,14 @@ runs), the best chain and the best tree, the cold and warm controller and
 their ratios to the best static one and to max(best static, plain); and,
 reported, not a gate, the warm controller's share of the best oracle
 speedup of that batch.
+
+``acceptance_warmup_vs_eval`` in the JSON: per learned drafter and batch
+size, its acceptance on the warm-up prompts (counted while the warm
+controller's untimed warm-up runs, on the controller's shapes) against the
+evaluation prompts (counted while the deepest static run is timed:
+``eval_acceptance_shape``), per position along the accepted path (any
+candidate and the top-ranked one: ``PositionAcceptance``) and as mean τ per
+drafting row-step. Both come from runs the benchmark makes anyway.
 """
 
 from __future__ import annotations
@@ -79,7 +87,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -87,8 +95,9 @@ import torch
 from policies.table import Decision
 from worker.reference.threads import inherit_threads, set_threads
 
-__all__ = ["DEFAULT_DEPTHS", "DEFAULT_TREES", "EngineRun", "eval_and_warmup_prompts", "eval_prompts",
-           "run_engine_bench", "static_shapes", "static_vs_controller"]
+__all__ = ["DEFAULT_DEPTHS", "DEFAULT_TREES", "EngineRun", "PositionAcceptance", "acceptance_warmup_vs_eval",
+           "eval_and_warmup_prompts", "eval_prompts", "eval_acceptance_shape", "run_engine_bench", "static_shapes",
+           "static_vs_controller"]
 
 
 @dataclass
@@ -230,6 +239,137 @@ def static_shapes(limits, depths, trees) -> list[tuple[str, Decision]]:
     return out
 
 
+@dataclass
+class PositionAcceptance:
+    """What a drafter's row-steps accepted, position by position: an engine
+    observer (``observe`` / ``finish``, as the agent's) that counts and
+    forwards nothing.
+
+    Position ``k`` (1-based) of a row-step is *reached* when the drafter
+    drafted at least one node at depth ``k`` below the accepted path (the
+    row accepted ``k - 1`` tokens and the node it accepted last has
+    children): the levels ``RequestTelemetry.position_outcomes`` reports, as
+    the controller's acceptance model reads them. Of those, ``accepted``
+    counts the row-steps that accepted a node there (any candidate) and
+    ``top1`` those that accepted the drafter's top-ranked candidate. So
+    ``top1[k] / reached[k]`` is the conditional acceptance of the drafter's
+    first choice at position ``k``, which a chain and a tree measure alike,
+    while ``accepted[k] / reached[k]`` grows with the width offered there.
+
+    >>> from worker.sdk.telemetry import RequestTelemetry
+    >>> a = PositionAcceptance()
+    >>> a.add(RequestTelemetry("r", 10, depth=3, width=1, nodes=3, accepted=1))   # chain d3: 1st ok, 2nd rejected
+    >>> a.add(RequestTelemetry("r", 10))                                          # did not draft
+    >>> a.reached, a.accepted, a.top1, a.rates(), a.mean_accepted()
+    ([1, 1], [1, 0], [1, 0], [1.0, 0.0], 1.0)
+    """
+
+    row_steps: int = 0
+    drafting_row_steps: int = 0
+    accepted_tokens: int = 0  # Σ τ over the drafting row-steps
+    depth_sum: int = 0  # Σ tree depth over the drafting row-steps
+    nodes_sum: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    top1: list[int] = field(default_factory=list)
+
+    def add(self, request) -> None:
+        """Count one request's part of one step (a ``RequestTelemetry``)."""
+        self.row_steps += 1
+        if request.depth <= 0:
+            return
+        self.drafting_row_steps += 1
+        self.accepted_tokens += request.accepted
+        self.depth_sum += request.depth
+        self.nodes_sum += request.nodes
+        ranks, _ = request.position_outcomes()
+        for level, rank in enumerate(ranks):
+            if level == len(self.reached):
+                self.reached.append(0)
+                self.accepted.append(0)
+                self.top1.append(0)
+            self.reached[level] += 1
+            self.accepted[level] += rank > 0
+            self.top1[level] += rank == 1
+
+    def observe(self, step) -> None:
+        for request in step.requests:
+            self.add(request)
+
+    def finish(self, summary) -> None:
+        """Request summaries carry nothing per position."""
+
+    def rates(self, top1: bool = False) -> list[float | None]:
+        """Per position, accepted (or top-ranked accepted) / reached; None where nothing reached it."""
+        hits = self.top1 if top1 else self.accepted
+        return [round(h / n, 3) if n else None for h, n in zip(hits, self.reached)]
+
+    def mean_accepted(self) -> float:
+        """Mean τ per drafting row-step."""
+        return round(self.accepted_tokens / self.drafting_row_steps, 3) if self.drafting_row_steps else 0.0
+
+
+class _Tee:
+    """An engine observer that hands every report to the agent and to a counter."""
+
+    def __init__(self, agent, counts: PositionAcceptance) -> None:
+        self.agent, self.counts = agent, counts
+
+    def observe(self, step) -> None:
+        self.counts.observe(step)
+        self.agent.observe(step)
+
+    def finish(self, summary) -> None:
+        self.agent.finish(summary)
+
+
+def eval_acceptance_shape(shapes: list[tuple[str, Decision]]) -> str:
+    """The static run whose acceptance stands for the evaluation prompts: the
+    deepest shape, a chain before a tree of the same depth (it drafts on every
+    row-step the drafter can, to the greatest depth, one candidate a level, as
+    the warm-up's rank-1 rates count). ``""`` when there is none."""
+    if not shapes:
+        return ""
+    return max(shapes, key=lambda s: (s[1].depth, s[1].width == 1, -s[1].max_nodes))[0]
+
+
+def acceptance_warmup_vs_eval(warmup: dict, evaluation: dict, warmup_source: str = "") -> list[dict]:
+    """Per learned drafter and batch size: its acceptance on the warm-up prompts
+    (what the warm controller learned from) against the evaluation prompts.
+
+    ``warmup``: ``{(drafter, batch): PositionAcceptance}`` of the warm-up runs;
+    ``evaluation``: ``{(drafter, batch): (run's policy name, PositionAcceptance)}``.
+    Each record has the per-position rates of both (``*_rates``: any candidate
+    accepted; ``*_top1_rates``: the top-ranked one, comparable across shapes),
+    the row-steps that reached each position, the mean τ per drafting
+    row-step (which does depend on the shapes drafted: the mean depth and
+    nodes drafted sit beside it) and the row-steps counted. Positions run as
+    far as either side reached; a rate is None where its side reached none.
+    """
+    order = ("ngram", "medusa", "eagle")
+    keys = sorted(set(warmup) | set(evaluation),
+                  key=lambda k: (k[1], order.index(k[0]) if k[0] in order else len(order), k[0]))
+    out = []
+    for drafter, batch in keys:
+        warm = warmup.get((drafter, batch), PositionAcceptance())
+        source, ev = evaluation.get((drafter, batch), ("", PositionAcceptance()))
+        depth = max(len(warm.reached), len(ev.reached))
+        row = {"drafter": drafter, "batch": batch, "warmup_source": warmup_source if (drafter, batch) in warmup else "",
+               "eval_source": source, "positions": list(range(1, depth + 1))}
+        for tag, c in (("warmup", warm), ("eval", ev)):
+            pad = [None] * (depth - len(c.reached))
+            row[f"{tag}_rates"] = c.rates() + pad
+            row[f"{tag}_top1_rates"] = c.rates(top1=True) + pad
+            row[f"{tag}_reached"] = c.reached + [0] * (depth - len(c.reached))
+            row[f"{tag}_mean_accepted"] = c.mean_accepted()
+            row[f"{tag}_row_steps"] = c.row_steps
+            row[f"{tag}_drafting_row_steps"] = c.drafting_row_steps
+            row[f"{tag}_mean_depth"] = round(c.depth_sum / c.drafting_row_steps, 2) if c.drafting_row_steps else 0.0
+            row[f"{tag}_mean_nodes"] = round(c.nodes_sum / c.drafting_row_steps, 2) if c.drafting_row_steps else 0.0
+        out.append(row)
+    return out
+
+
 def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-135m", batches=(1, 4, 8),
                      prompts: int = 8, max_new_tokens: int = 48, depths=DEFAULT_DEPTHS,
                      drafters=("ngram", "medusa", "eagle", "oracle"), policy: str = "goodput",
@@ -298,21 +438,31 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     truth = {tuple(p): o for p, o in zip(ids, reference)}
     tallies: dict[tuple[str, str, int], _Tally] = {}
     fitted: dict = {}
+    warmup_acceptance: dict[tuple[str, int], PositionAcceptance] = {}
+    eval_shape = {d: eval_acceptance_shape(shapes[d]) for d in learned}
+    eval_acceptance: dict[tuple[str, int], tuple[str, PositionAcceptance]] = {}
     warm_ctl, warm_agents = (start_controller("engine-telemetry.jsonl.gz", "")
                              if controlled and warm_ids else (None, {}))
     try:
         for batch in batches:
             # The warm controller sees the warm-up prompts (untimed), then its own timed run; nothing else.
+            # Its acceptance there is counted on the way (``acceptance_warmup_vs_eval``).
             for d, agent in warm_agents.items():
-                Engine(model, built[d], agent.decide, observer=agent, max_batch=batch).generate(warm_ids,
-                                                                                                max_new_tokens)
+                counts = warmup_acceptance[(d, batch)] = PositionAcceptance()
+                Engine(model, built[d], agent.decide, observer=_Tee(agent, counts),
+                       max_batch=batch).generate(warm_ids, max_new_tokens)
             # The cold one: a controller of its own for this batch size, no traffic before the timed run.
             cold_ctl, cold_agents = (start_controller(f"engine-telemetry-cold-b{batch}.jsonl.gz", f"-cold-b{batch}")
                                      if controlled else (None, {}))
             try:
                 specs = [("none", "plain", None, None, None)]
                 for d in learned:
-                    specs += [(d, name, built[d], static_decide(dec), None) for name, dec in shapes[d]]
+                    # The deepest static run counts its acceptance (no controller hears of it).
+                    if eval_shape[d]:
+                        eval_acceptance[(d, batch)] = (eval_shape[d], PositionAcceptance())
+                    specs += [(d, name, built[d], static_decide(dec),
+                               eval_acceptance[(d, batch)][1] if name == eval_shape[d] else None)
+                              for name, dec in shapes[d]]
                     for tag, agents in (("cold", cold_agents), ("warm", warm_agents)):
                         if d in agents:
                             specs.append((d, f"{policy}-{tag}", built[d], agents[d].decide, agents[d]))
@@ -357,6 +507,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         if r.drafter.startswith("hf-") and hf_plain is not None:
             r.speedup_vs_hf_plain = round(r.tokens_per_cpu_s / (hf_plain.tokens / hf_plain.cpu), 3)
     summary = static_vs_controller(runs, policy)
+    acceptance = acceptance_warmup_vs_eval(
+        warmup_acceptance, eval_acceptance,
+        f"{policy}-warm warm-up ({len(warm_ids)} prompts, untimed, the controller's shapes)" if warm_agents else "")
     result = {
         "model": model_name,
         "prompts": [p.id for p in items],
@@ -374,6 +527,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "controller_cost_models": fitted,
         "calibration": [asdict(t) for t in calibration],
         "static_vs_controller": summary,
+        "acceptance_warmup_vs_eval": acceptance,
         "runs": [asdict(r) for r in runs],
     }
     (out / "engine.json").write_text(json.dumps(result, indent=1))
@@ -381,6 +535,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         _plot(runs, out / "engine.png", batches)
     _print_table(runs)
     _print_summary(summary)
+    _print_acceptance(acceptance)
     print(f"wrote {out / 'engine.json'}" + (f" and {out / 'engine.png'}" if plot else ""))
     return 0
 
@@ -684,6 +839,28 @@ def _print_summary(summary) -> None:
         rc, rw = (f"{s[k]:.3f}" if s[k] is not None else "-" for k in ("cold_vs_best_static", "warm_vs_best_static"))
         best = f"{s['best_static']} {s['best_static_speedup']:.3f}"
         print(f"{s['drafter']:8} {s['batch']:>5} {best:>26} {cold:>6} {warm:>6} {rc:>9} {rw:>9}")
+
+
+def _print_acceptance(rows) -> None:
+    if not rows:
+        return
+    print("\nacceptance, warm-up prompts / evaluation prompts: top-ranked candidate accepted per position "
+          "(any candidate in brackets where it differs), mean τ per drafting row-step, drafting row-steps")
+
+    def rate(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    for r in rows:
+        positions = []
+        for i, k in enumerate(r["positions"]):
+            cell = f"p{k} {rate(r['warmup_top1_rates'][i])}/{rate(r['eval_top1_rates'][i])}"
+            if (r["warmup_rates"][i], r["eval_rates"][i]) != (r["warmup_top1_rates"][i], r["eval_top1_rates"][i]):
+                cell += f" ({rate(r['warmup_rates'][i])}/{rate(r['eval_rates'][i])})"
+            positions.append(cell)
+        print(f"{r['drafter']:8} {r['batch']:>5}  warm-up vs {r['eval_source'] or '-'}: " + "  ".join(positions)
+              + f"  τ {r['warmup_mean_accepted']:.3f}/{r['eval_mean_accepted']:.3f}"
+              f"  rows {r['warmup_drafting_row_steps']}/{r['eval_drafting_row_steps']}"
+              f"  depth {r['warmup_mean_depth']:.2f}/{r['eval_mean_depth']:.2f}")
 
 
 def _plot(runs, path: Path, batches) -> None:

@@ -44,6 +44,11 @@ Each phase (``embedded``, then ``redis``, the same load):
    Redis alert ids are fleet-wide, so the open alerts of a stratum are the
    distinct ids any replica lists; with the embedded store each replica's own
    are added up. ``open_alerts_max_per_stratum`` is the largest count seen.
+   Then every alert the replicas know (with their history) is timed against
+   the drift (``drift``: detection delay from the drop on replica 0's
+   workers, alerts opened before it), and with Redis each replica's drift
+   feed counters are read from its ``/metrics`` (evidence the monitor saw,
+   dropped or shed, forwarded).
 5. **failover**: ``kill -9`` of replica 0. For each of its workers, the time
    from the kill to the first plan it ACKed from another replica; the
    fallback decisions made meanwhile; then, with the load paused and every
@@ -100,6 +105,7 @@ PROPAGATED = 0.05  # a drop of α₁ this large on a replica whose workers did n
 # windows of a few hundred request-steps, so an alert opens seconds after a drop, not hours.
 FAST_MONITOR = dict(baseline_steps=500, window=300, round_steps=500, ert=2_000_000, n_bootstrap=512, cusum_paths=128,
                     cusum_horizon=2048)
+DRIFT_MONITORS = ("replica", "fleet")  # state.drift_monitor of the Redis replicas
 GOAL_FAILOVER_S = 5.0
 GOAL_REDIS_CPU = 0.10
 GOAL_PUSH_P99_MS = 5.0
@@ -558,6 +564,31 @@ class Replicas:
         finally:
             call.cancel()
 
+    async def follow_alerts(self, address: str, events: list[dict]) -> None:
+        """Until cancelled: every alert event replica ``address`` sends on a WatchAlerts stream, with the wall
+        time it arrived (an alert's ``opened_at`` is its evidence's step time, not when it could be seen)."""
+        call = self.stubs[address].WatchAlerts(controller_pb2.WatchAlertsRequest())
+        try:
+            async for msg in call:
+                events.append({"t": time.time(), "replica": address, "id": msg.id,
+                               "event": controller_pb2.AlertEvent.Name(msg.event),
+                               "context_len_min": msg.context_len_min, "opened_at": msg.opened_at})
+        except grpc.aio.AioRpcError:
+            pass
+        finally:
+            call.cancel()
+
+    async def alert_history(self, address: str) -> list[controller_pb2.DriftAlert]:
+        """Every alert replica ``address`` knows, open or resolved (WatchAlerts with its history)."""
+        call = self.stubs[address].WatchAlerts(controller_pb2.WatchAlertsRequest(include_history=True), timeout=10.0)
+        try:
+            count = int(dict(await call.initial_metadata()).get(EXISTING_ALERTS_METADATA, 0))
+            return [await call.read() for _ in range(count)]
+        except grpc.aio.AioRpcError:
+            return []
+        finally:
+            call.cancel()
+
     async def close(self) -> None:
         for c in self.channels.values():
             await c.close()
@@ -589,17 +620,32 @@ def _summary(values: Sequence[float], digits: int = 3) -> dict:
 
 async def run_phase(backend: str, folder: Path, replicas: int, workers: int, steps_per_s: float, requests: int,
                     warmup_s: float, measure_s: float, converge_s: float, alert_s: float, idle_s: float = 5.0,
-                    progress: Callable[[str], None] = print, drift_monitor: str = "replica") -> dict:
-    """One backend's phase (see the module docstring); returns its measurements."""
+                    progress: Callable[[str], None] = print, drift_monitor: str = "replica", seed: int = 0,
+                    failover: bool = True, drift_alpha: float = DRIFT_ALPHA,
+                    ports: Sequence[int] | None = None) -> dict:
+    """One backend's phase (see the module docstring); returns its measurements.
+
+    ``seed``: the simulated workers' draws (the same seed, the same arrivals and acceptances up to the
+    plans' effect on depth). ``failover``: run step 5 (``kill -9``); off, the phase ends after the alerts.
+    ``drift_alpha``: the drifted bucket's acceptance after the drops (steps 3 and 4). ``ports``: the
+    replicas' (default free ones); the agents place themselves by rendezvous over the addresses, so two
+    phases on the same ports spread the same workers the same way."""
     redis = RedisServer(folder / "redis").start() if backend == "redis" else None
     procs: list[ReplicaProcess] = []
     load: FleetLoad | None = None
     view: Replicas | None = None
+    followers: list[asyncio.Task] = []
     try:
         for i in range(replicas):
             state = ({"backend": "redis", "url": redis.url, "fleet": "bench", "replica_id": f"r{i}",
                       "drift_monitor": drift_monitor} if redis is not None else None)
-            procs.append(ReplicaProcess(folder, f"{backend}-r{i}", replica_config(state)))
+            config = replica_config(state)
+            if redis is not None:
+                # /metrics, for the drift feed's counters (read once, after the alerts); the status page's
+                # history sampler kept out of the CPU window (one sample per worker when it first appears).
+                config.update(metrics_listen=f"127.0.0.1:{free_port()}", status_sample_interval_s=86400.0,
+                              metrics_plan_cells=False)
+            procs.append(ReplicaProcess(folder, f"{backend}-r{i}", config, port=ports[i] if ports else None))
         await asyncio.gather(*(asyncio.to_thread(p.start) for p in procs))
         addresses = [p.address for p in procs]
         progress(f"[{backend}] {replicas} replicas up: {', '.join(addresses)}")
@@ -609,7 +655,7 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
         idle0, t_idle = [p.cpu_s() for p in procs], time.monotonic()
         await asyncio.sleep(idle_s)
         idle_util = [(p.cpu_s() - c) / (time.monotonic() - t_idle) for p, c in zip(procs, idle0)]
-        load = FleetLoad(addresses, workers, steps_per_s, requests)
+        load = FleetLoad(addresses, workers, steps_per_s, requests, seed=seed)
         started = time.monotonic()
         await load.start()
         agents = load.agents
@@ -618,6 +664,10 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
         await asyncio.sleep(max(0.0, warmup_s - (time.monotonic() - started)))
         spread = {a: len(load.on(a)) for a in addresses}
         progress(f"[{backend}] every agent has a plan; workers per replica {list(spread.values())}")
+
+        # Alert events as they reach an operator, from here on (detection delay, false alarms).
+        alert_events: list[dict] = []
+        followers = [asyncio.create_task(view.follow_alerts(a, alert_events)) for a in addresses]
 
         # ---- CPU per ingested step, plan push, Redis commands.
         cpu0 = [p.cpu_s() for p in procs]
@@ -665,7 +715,7 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
 
         # ---- Fleet-posterior convergence: only replica 0's workers see the drop.
         watched = {a: (load.on(a) or [None])[0] for a in addresses}
-        load.set_alpha(load.on(addresses[0]), DRIFT_CONTEXT, DRIFT_ALPHA)
+        load.set_alpha(load.on(addresses[0]), DRIFT_CONTEXT, drift_alpha)
         t_drop = time.time()
         series: list[dict] = []
         truth_from = None  # position-1 counts when the last TRUTH_WINDOW_S of the window began
@@ -712,7 +762,7 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
                  f"settled α₁ {[x and round(x, 3) for x in final.values()]} against the fleet's {truth}")
 
         # ---- Alerts: the drop reaches every worker.
-        load.set_alpha(list(load.sims), DRIFT_CONTEXT, DRIFT_ALPHA)
+        load.set_alpha(list(load.sims), DRIFT_CONTEXT, drift_alpha)
         t_all = time.time()
         worst, samples = 0, []
         while time.time() - t_all < alert_s:
@@ -732,6 +782,9 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
             await asyncio.sleep(1.0)
         out["alerts"] = {"open_max_per_stratum": worst, "samples": samples}
         progress(f"[{backend}] open alerts per stratum, most: {worst}")
+        out["drift"] = await drift_record(view, procs, backend, t_drop, t_all, alert_events)
+        progress(f"[{backend}] drift: first alert on the drifted stratum {out['drift']['detection_s']} s after the "
+                 f"drop began; {out['drift']['false_alerts_before_drift']} alerts before it")
 
         # Plan push: every plan applied from the end of the warm-up to here (the first plans of
         # the start-up burst excluded; the drops above make the policies re-plan).
@@ -741,6 +794,10 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
             r["plan_push_ms"] = _summary([p.push_ms for p in pushes if p.replica == r["address"]])
         progress(f"[{backend}] plan push p50 / p99 {out['plan_push_ms']['p50']} / {out['plan_push_ms']['p99']} ms "
                  f"({len(pushes)} plans)")
+        if not failover:
+            if redis is not None:
+                out["redis_memory"] = _redis_memory(redis)
+            return out
 
         # ---- Failover: kill -9 of replica 0 under load.
         victim = procs[0]
@@ -796,6 +853,9 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
             out["redis_memory"] = _redis_memory(redis)
         return out
     finally:
+        for task in followers:
+            task.cancel()
+        await asyncio.gather(*followers, return_exceptions=True)
         if load is not None:
             await load.stop()
         if view is not None:
@@ -804,6 +864,83 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
             p.stop()
         if redis is not None:
             redis.stop()
+
+
+def scrape_drift_feed(address: str, timeout_s: float = 5.0) -> dict:
+    """The drift feed's counters on one replica's ``/metrics`` (blocking): request-steps its monitor saw,
+    request-steps dropped before it (a full buffer; on a fleet monitor's owner, evidence shed beyond
+    ``inbound_limit`` too), outcomes forwarded to the fleet's stream or dropped on the way, and the
+    drafter versions whose fleet monitor it runs."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as reply:
+        text = reply.read().decode()
+    out: dict[str, Any] = {"monitor_request_steps": 0.0, "dropped_request_steps": 0.0, "evidence_sent": 0.0,
+                           "evidence_dropped_outbox": 0.0, "owns": [], "sample_fraction": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, sample.value
+            if name == "specctl_drift_request_steps_total":
+                out["monitor_request_steps"] = value
+            elif name == "specctl_drift_dropped_request_steps_total":
+                out["dropped_request_steps"] = value
+            elif name == "specctl_fleet_drift_evidence_total":
+                out["evidence_sent" if labels.get("outcome") == "sent" else "evidence_dropped_outbox"] = value
+            elif name == "specctl_fleet_drift_monitor_owned" and value >= 1.0:
+                out["owns"].append(f"{labels.get('drafter_kind', '')}/{labels.get('drafter_version', '')}")
+            elif name == "specctl_fleet_drift_sample_fraction":
+                out["sample_fraction"][f"{labels.get('drafter_kind', '')}/{labels.get('drafter_version', '')}"] = value
+    return out
+
+
+async def drift_record(view: Replicas, procs: Sequence[ReplicaProcess], backend: str, t_drop: float,
+                       t_all: float, events: Sequence[dict] = ()) -> dict:
+    """Every alert the replicas know (open and resolved, the fleet's history with Redis), timed against the
+    drift: it began at ``t_drop`` (replica 0's workers) and reached every worker at ``t_all`` (wall clock).
+
+    An alert's ``opened_at`` is the time of the step that tipped it (the evidence's time), so an alert
+    whose evidence predates ``t_drop`` is a false alarm. The first alert on the drifted stratum after it
+    gives two delays: ``detection_s``, to the first ``OPENED`` event any replica's WatchAlerts stream
+    delivered (``events``, :meth:`Replicas.follow_alerts`: when an operator could see it, evidence
+    forwarding and the owner's backlog included), and ``detection_evidence_s``, to its ``opened_at``. With
+    ``metrics_listen`` set, each replica's drift feed counters (:func:`scrape_drift_feed`) too."""
+    known: dict[str, dict] = {}
+    for proc in procs:
+        for alert in await view.alert_history(proc.address):
+            key = alert.id if backend == "redis" else f"{proc.address}/{alert.id}"
+            entry = known.setdefault(key, {
+                "id": key, "stratum": alert.stratum, "drifted_stratum": alert.context_len_min == DRIFT_BUCKET_MIN,
+                "opened_at": alert.opened_at, "resolved_at": alert.resolved_at or None,
+                "opened_s": alert.opened_at - t_drop, "listed_by": []})
+            entry["listed_by"].append(proc.address)
+    alerts = sorted(known.values(), key=lambda a: a["opened_at"])
+    first = next((a for a in alerts if a["drifted_stratum"] and a["opened_at"] >= t_drop), None)
+    false_ids = {a["id"] for a in alerts if a["opened_at"] < t_drop}
+    seen = [e["t"] for e in events
+            if e["event"] == "ALERT_EVENT_OPENED" and e["context_len_min"] == DRIFT_BUCKET_MIN and e["t"] >= t_drop
+            and (e["id"] if backend == "redis" else f"{e['replica']}/{e['id']}") not in false_ids]
+    shown = min(seen, default=None)
+    feeds = {}
+    for proc in procs:
+        address = proc.config.get("metrics_listen")
+        if address and proc.pid is not None:
+            try:
+                feeds[proc.address] = await asyncio.to_thread(scrape_drift_feed, address)
+            except OSError as err:
+                feeds[proc.address] = {"error": str(err)}
+    return {
+        "fleet_drop_after_s": t_all - t_drop,
+        "alert_opened": first is not None,
+        "detection_s": shown - t_drop if shown is not None else None,
+        "detection_after_fleet_drop_s": shown - t_all if shown is not None else None,
+        "detection_evidence_s": first["opened_at"] - t_drop if first else None,
+        "false_alerts_before_drift": sum(a["opened_at"] < t_drop for a in alerts),
+        "alerts_other_strata_after_drift": sum(not a["drifted_stratum"] and a["opened_at"] >= t_drop
+                                               for a in alerts),
+        "alerts": alerts, "feeds": feeds, "events": list(events),
+    }
 
 
 def _redis_memory(redis: RedisServer) -> dict:
@@ -825,9 +962,14 @@ def run_fleet_bench(out_dir: str | Path = "bench/results", replicas: int = 2, wo
                     steps_per_s: float = 50.0, requests: int = 8, measure_s: float = 20.0, warmup_s: float = 8.0,
                     converge_s: float = 12.0, alert_s: float = 12.0, backends: Sequence[str] = ("embedded", "redis"),
                     plots: bool = True, drift_monitor: str = "replica") -> int:
-    """Run the phases, write ``fleet.json`` (+ ``fleet.png``); returns a process exit code."""
+    """Run the phases, write ``fleet.json`` (+ ``fleet.png``); returns a process exit code.
+
+    Both drift monitor modes side by side (``specctl bench fleet --drift-monitor both``) are
+    :func:`bench.fleet_drift.run_drift_modes`, which builds on this module."""
     if replicas < 2:
         raise BenchError("--replicas must be at least 2 (one is killed)")
+    if drift_monitor not in DRIFT_MONITORS:
+        raise BenchError(f"drift_monitor must be one of {', '.join(DRIFT_MONITORS)}, got {drift_monitor!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     phases: dict[str, dict] = {}

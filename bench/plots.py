@@ -178,3 +178,19 @@ def plot_classes(name: str, series: dict[str, dict], entry: dict, path: Path) ->
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def grouped_bars(ax, groups: list[str], series: dict[str, list[float | None]], colors: dict[str, str] | None = None,
+                 fmt: str = "{:.1f}") -> None:
+    """Bars of several series side by side within each group, each labelled with its value (None: no bar)."""
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        style = (colors or {}).get(name) or PALETTE[i % len(PALETTE)]
+        shown = [(x, v) for x, v in zip(xs, values) if v is not None]
+        if shown:
+            ax.bar([x for x, _ in shown], [v for _, v in shown], width, color=style, label=name)
+            for x, v in shown:
+                ax.text(x, v, fmt.format(v), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.legend(fontsize=8)

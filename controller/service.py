@@ -512,7 +512,8 @@ class SpeculationControllerServicer:
     async def GetStatus(self, request, context: grpc.aio.ServicerContext) -> controller_pb2.GetStatusResponse:
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GetStatusRequest: {request.error}")
-        response = self.controller.status(request.worker_id)
+        # Built in slices with yields between them: the fleet's telemetry and plans go on meanwhile.
+        response = await self.controller.status_async(request.worker_id)
         if self.fleet is not None:
             self.fleet.annotate(response, request.worker_id)
         return response

@@ -88,6 +88,12 @@ def _bench(args: argparse.Namespace) -> int:
         from bench.fleet import BenchError, run_fleet_bench
 
         try:
+            if args.drift_monitor == "both":  # the Redis phase per mode, side by side
+                from bench.fleet_drift import run_drift_modes
+
+                return run_drift_modes(args.out, replicas=args.replicas, workers=args.workers or 32,
+                                       steps_per_s=args.steps_per_s, measure_s=args.duration,
+                                       plots=not args.no_plots)
             return run_fleet_bench(out_dir=args.out, replicas=args.replicas, workers=args.workers or 32,
                                    steps_per_s=args.steps_per_s, measure_s=args.duration,
                                    backends=[b.strip() for b in args.backends.split(",") if b.strip()],
@@ -260,9 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--replicas", type=int, default=2, help="fleet: specctl serve replicas (one is killed)")
     fl.add_argument("--backends", default="embedded,redis",
                     help="fleet: state backends to run side by side, in order (default embedded,redis)")
-    fl.add_argument("--drift-monitor", default="replica", choices=["replica", "fleet"],
+    fl.add_argument("--drift-monitor", default="replica", choices=["replica", "fleet", "both"],
                     help="fleet: the Redis replicas' state.drift_monitor (default replica: one monitor per replica, "
-                         "alerts deduplicated fleet-wide; fleet: one monitor per drafter version fleet-wide)")
+                         "alerts deduplicated fleet-wide; fleet: one monitor per drafter version fleet-wide; both: "
+                         "the Redis phase once per mode, same load and seed, no kill -9 -> fleet_drift_modes.json)")
     bench.set_defaults(func=_bench)
 
     from specctl.worker_cli import add_worker_commands  # train-heads, worker, load (the reference worker)

@@ -125,3 +125,119 @@ def test_bench_refuses_a_bad_config_naming_the_field(tmp_path):
     rc = run_controller_bench(tmp_path, workers=2, duration_s=1.0, generators=3,
                               console=Console(file=out, width=200))
     assert rc == 2 and "generators=3" in out.getvalue()
+
+
+def _reference_messages(index: int, seed: int, ticks: list[tuple[float, float]]) -> list[list[worker_pb2.WorkerMessage]]:
+    """What one bench worker sends per tick, built plainly with protobuf objects from the
+    generator's specification (same RNG draws in the same order as ``WireLoadWorker``):
+    the fast path's hand-encoded bytes must decode to exactly these messages."""
+    import math
+    import random
+
+    from bench.controller import ALPHA, CHAIN_DEPTH, FLUSH_S, MAX_STEPS_PER_MESSAGE, QUEUE_STEPS
+
+    rng = random.Random(seed * 100_003 + index)
+    worker_id = f"bench-w{index:04d}"
+    rng.random()  # the tick offset
+    acc = []
+    for _ in range(1009):
+        a = 0
+        while a < CHAIN_DEPTH and rng.random() < ALPHA:
+            a += 1
+        acc.append(a)
+    counter = {"next": 0}
+
+    def new_request() -> dict:
+        rid = f"{worker_id}-r{counter['next']}"
+        counter["next"] += 1
+        ctx = int(math.exp(rng.uniform(math.log(200), math.log(40_000))))
+        return {"id": rid, "ctx": ctx, "left": rng.randint(64, 512), "generated": 0, "accepted": 0, "steps": 0}
+
+    batch = 6 + index % 5
+    slots = [new_request() for _ in range(batch)]
+    acc_i, step_id, sent, dropped = 0, 0, 0, 0
+    out = []
+    for elapsed, timestamp in ticks:
+        backlog = int(elapsed * 50.0) - sent - dropped
+        unreported = 0
+        if backlog > QUEUE_STEPS:
+            dropped += backlog - QUEUE_STEPS
+            unreported = backlog - QUEUE_STEPS
+            backlog = QUEUE_STEPS
+        tick_msgs, finished = [], []
+        left = max(backlog, 0)
+        while left > 0:
+            reports = worker_pb2.StepReports()
+            for _ in range(min(left, MAX_STEPS_PER_MESSAGE)):
+                step_id += 1
+                step = reports.steps.add(step_id=step_id, timestamp=timestamp, batch_size=len(slots))
+                kv = 0
+                for k, s in enumerate(slots):
+                    a = acc[acc_i]
+                    acc_i = (acc_i + 1) % len(acc)
+                    step.requests.add(request_id=s["id"], context_len=s["ctx"], depth=CHAIN_DEPTH, width=1,
+                                      nodes=CHAIN_DEPTH, accepted=a)
+                    kv += s["ctx"]
+                    s["ctx"] += a + 1
+                    s["generated"] += a + 1
+                    s["accepted"] += a
+                    s["steps"] += 1
+                    s["left"] -= 1
+                    if s["left"] <= 0:
+                        finished.append(worker_pb2.WorkerMessage(finished=worker_pb2.RequestFinished(
+                            request_id=s["id"], generated_tokens=s["generated"], steps=s["steps"],
+                            accepted_tokens=s["accepted"], timestamp=timestamp)))
+                        slots[k] = new_request()
+                step.verify_ms = max(10.0 + 2.5e-5 * kv, 0.06 * len(slots) * (1 + CHAIN_DEPTH))
+                step.draft_ms = 0.3 + 0.4 * CHAIN_DEPTH + 0.002 * CHAIN_DEPTH * len(slots)
+            reports.dropped_steps = unreported
+            unreported = 0
+            tick_msgs.append(worker_pb2.WorkerMessage(reports=reports))
+            left -= len(reports.steps)
+        sent += max(backlog, 0)
+        out.append(tick_msgs + finished)
+    assert FLUSH_S > 0
+    return out
+
+
+@pytest.mark.parametrize("index,seed", [(0, 0), (3, 1), (9, 7)])
+def test_fast_encoding_decodes_to_the_reference_messages(index, seed):
+    """The template-patched wire bytes (per-slot id fields, pre-encoded context fields, a
+    slice of the acceptance cycle per step, finish counts from context growth) decode to
+    the messages a plain protobuf build of the same simulation makes: every step, request,
+    finish and dropped count, over request turnover and a backlog past the queue bound."""
+    ticks = [(t * 0.1, 1.7e9 + t * 0.1) for t in range(1, 300)]
+    ticks.append((ticks[-1][0] + 8.0, 1.7e9 + 40.0))  # 400 steps due at once: 7 messages in one tick
+    ticks.append((ticks[-1][0] + 100.0, 1.7e9 + 140.0))  # 5000 due: 4096 sent, the rest dropped and reported
+    ticks += [(ticks[-1][0] + t * 0.1, 1.7e9 + 140.0 + t * 0.1) for t in range(1, 30)]
+    expected = _reference_messages(index, seed, ticks)
+    w = WireLoadWorker(index, steps_per_s=50.0, seed=seed, tick_grid_s=0.02, grid_phase_s=0.005)
+    finished = 0
+    for (elapsed, timestamp), want in zip(ticks, expected):
+        msgs, n = w.due_messages(elapsed, timestamp)
+        w.sent += n
+        got = [worker_pb2.WorkerMessage.FromString(m) for m in msgs]
+        assert got == want, (elapsed, [m.WhichOneof("payload") for m in got])
+        finished += sum(m.WhichOneof("payload") == "finished" for m in got)
+    assert finished > 10 and w.dropped > 0
+
+
+def test_ticks_sit_on_the_generator_grid():
+    """Each generator's workers tick on its grid slots (shifted per generator), spread over the flush interval."""
+    from bench.controller import FLUSH_S, PhaseConfig
+
+    cfgs = [PhaseConfig("p", "t", workers=64, steps_per_s=50.0, warmup_s=0.1, duration_s=1.0, shard=k, shards=2,
+                        tick_grid_s=0.02) for k in range(2)]
+    offsets = {}
+    for cfg in cfgs:
+        for i in cfg.indices:
+            w = WireLoadWorker(i, 50.0, 0, cfg.tick_grid_s, cfg.grid_phase_s)
+            slot = (w.offset - cfg.grid_phase_s) / cfg.tick_grid_s
+            assert abs(slot - round(slot)) < 1e-9 and 0 <= w.offset < FLUSH_S + cfg.tick_grid_s
+            offsets.setdefault(cfg.shard, set()).add(round(w.offset, 6))
+    assert offsets[0] == {0.0, 0.02, 0.04, 0.06, 0.08}
+    assert offsets[1] == {0.01, 0.03, 0.05, 0.07, 0.09}
+    # No grid: the drawn offset as is, so other benchmarks' workers keep their spread.
+    import random
+
+    assert WireLoadWorker(5, 50.0, 0).offset == random.Random(5).random() * FLUSH_S

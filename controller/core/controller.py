@@ -9,10 +9,12 @@ under the server, under the simulated-time benchmark and in tests.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import zlib
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable
 
 from controller.config import ServerConfig
@@ -43,6 +45,10 @@ from policies.table import Decision
 from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
 
 log = logging.getLogger("specctl.controller")
+
+# CPU an all-workers status (Controller.status_async) may hold the event loop for before it yields:
+# one worker's entry costs up to ~3 ms with a refit, so a slice stays a few ms at any fleet size.
+STATUS_SLICE_S = 0.005
 
 
 class Controller:
@@ -94,6 +100,8 @@ class Controller:
         self.first_plan_hold: Callable[[WorkerState], bool] | None = None
         # (worker id, drafter kind, drafter version) -> WorkerState.accept_counts
         self.accept_counts: dict[tuple[str, str, str], dict[tuple[int, int, int], int]] = {}
+        # worker id -> the fitted cost model and plan of its last status, with what they were built from.
+        self._status_cache: dict[str, _WorkerStatusCache] = {}
 
     # ------------------------------------------------------------- sessions
     def hello(self, hello: worker_pb2.Hello) -> WorkerState:
@@ -323,6 +331,44 @@ class Controller:
 
     # --------------------------------------------------------------- status
     def status(self, worker_id: str = "") -> controller_pb2.GetStatusResponse:
+        """The operator's snapshot, built in one go (tests, tools). On the
+        server's event loop use :meth:`status_async`, which yields between workers."""
+        out, states = self._status_head(worker_id)
+        build = _StatusBuild()
+        for state in states:
+            out.workers.append(self.worker_status(state, build))
+        if not worker_id:
+            self._prune_status_cache()
+        return out
+
+    async def status_async(self, worker_id: str = "",
+                           slice_s: float = STATUS_SLICE_S) -> controller_pb2.GetStatusResponse:
+        """:meth:`status`, built in slices of about ``slice_s`` of CPU with a
+        yield to the event loop between two: telemetry and plan pushes of the
+        whole fleet go on while an operator reads 256 workers' status.
+
+        The workers are those registered when the call starts (one that left
+        meanwhile is skipped, one re-registered is shown as it is now); each
+        worker's entry is as of the moment it is built, the shared acceptance
+        strata as of the first worker of a drafter version.
+        """
+        out, states = self._status_head(worker_id)
+        build = _StatusBuild()
+        started = time.perf_counter()
+        for state in states:
+            if time.perf_counter() - started > slice_s:
+                await asyncio.sleep(0)
+                started = time.perf_counter()
+                state = self.workers.get(state.worker_id)
+                if state is None:  # forgotten while we yielded
+                    continue
+            out.workers.append(self.worker_status(state, build))
+        if not worker_id:
+            self._prune_status_cache()
+        return out
+
+    def _status_head(self, worker_id: str) -> tuple[controller_pb2.GetStatusResponse, list[WorkerState]]:
+        """The response's fleet-wide fields, and the workers to add to it."""
         out = controller_pb2.GetStatusResponse(
             policy=self.policy.name,
             policy_reloads=self.policy_reloads,
@@ -333,14 +379,27 @@ class Controller:
         )
         for reason, count in sorted(self.rejections.items()):
             out.rejections.add(reason=reason, count=count)
-        for state in self.workers.values():
-            if worker_id and state.worker_id != worker_id:
-                continue
-            out.workers.append(self.worker_status(state))
-        return out
+        if worker_id:
+            state = self.workers.get(worker_id)
+            return out, [state] if state is not None else []
+        return out, list(self.workers.values())
 
-    def worker_status(self, state: WorkerState) -> controller_pb2.WorkerStatus:
-        p = state.cost.refit()
+    def _prune_status_cache(self) -> None:
+        """Drop the cached status parts of workers no longer registered."""
+        if len(self._status_cache) > len(self.workers):
+            for wid in [w for w in self._status_cache if w not in self.workers]:
+                del self._status_cache[wid]
+
+    def worker_status(self, state: WorkerState, build: "_StatusBuild | None" = None) -> controller_pb2.WorkerStatus:
+        """One worker's ``WorkerStatus``. The fitted cost model and the plan in
+        force come from a per-worker cache while their inputs are unchanged
+        (no step ingested, same prior; same plan acknowledged), so reading the
+        status of a quiet fleet refits nothing; ``build`` shares the acceptance
+        strata of one drafter version between the workers of one response."""
+        build = build if build is not None else _StatusBuild()
+        cached = self._status_cache.get(state.worker_id)
+        if cached is None:
+            cached = self._status_cache[state.worker_id] = _WorkerStatusCache()
         session, ledger, counters = state.session, state.plans, state.counters
         ws = controller_pb2.WorkerStatus(
             hello=state.hello,
@@ -350,15 +409,7 @@ class Controller:
             nacks=counters.nacks,
             steps_ingested=state.steps_ingested,
             last_report_at=session.last_report_at,
-            cost_model=controller_pb2.CostModel(
-                mem_ms=p.mem_ms, mem_ms_per_kv_token=p.mem_ms_per_kv_token, compute_ms=p.compute_ms,
-                compute_ms_per_token=p.compute_ms_per_token, compute_ms_per_pair=p.compute_ms_per_pair,
-                compute_ms_per_kv_token=p.compute_ms_per_kv_token,
-                compute_knots=p.compute_knots, compute_rise_ms=p.compute_rise_ms, draft_fixed_ms=p.draft_fixed_ms,
-                draft_ms_per_level=p.draft_ms_per_level, draft_ms_per_node=p.draft_ms_per_node,
-                draft_ms_per_level_kv_token=p.draft_ms_per_level_kv_token,
-                catch_up_ms_per_token=p.catch_up_ms_per_token, samples=state.cost.samples, rmse_ms=state.cost.rmse_ms,
-            ),
+            cost_model=self._cost_status(state, cached),
             mean_batch_size=state.load.batch_ema,
             mean_context_len=state.load.mean_context_len(),
             observed_goodput_tok_s=state.load.observed_goodput(),
@@ -370,11 +421,8 @@ class Controller:
             last_nack_reason=ledger.last_nack_reason,
             steps_received=counters.steps_received,
         )
-        self._strata(ws.acceptance, self.acceptance.view(state.drafter_key, state.limits.max_depth,
-                                                         state.limits.max_width), state)
-        typical = self.typical_view(state)
-        if typical is not None:
-            self._strata(ws.acceptance_typical, typical, state)
+        ws.acceptance.extend(build.strata(self, state, typical=False))
+        ws.acceptance_typical.extend(build.strata(self, state, typical=True))
         ws.unknown_class_request_steps = counters.unknown_class_request_steps
         ws.unknown_class_queries = counters.unknown_class_queries
         ws.typical_violations = counters.typical_violations
@@ -388,12 +436,41 @@ class Controller:
                 step_ms_mean=c.step_ms_mean, mean_context_len=c.mean_context_len, request_steps=c.request_steps,
                 tokens=c.tokens, typical_request_steps=c.typical_request_steps)
         if ledger.in_force is not None:  # the plan the worker acknowledged, not one merely sent
-            classes = ledger.in_force_classes
-            ws.plan.CopyFrom(plan_to_proto(ledger.in_force.table, ledger.acked_version, "", self.policy.name,
-                                           ledger.last_push_at, ledger.in_force.expected_goodput_tok_s,
-                                           class_plans(classes, ledger.in_force), classes.default,
-                                           state_plans(ledger.in_force)))
+            ws.plan.CopyFrom(self._plan_status(state, cached))
         return ws
+
+    def _cost_status(self, state: WorkerState, cached: "_WorkerStatusCache") -> controller_pb2.CostModel:
+        """The worker's fitted cost model; refitted only when a step reached it
+        since the last status (a refit of unchanged evidence gives the same fit)."""
+        cost = state.cost
+        key = _StatusKey((cost, cost.prior), (state.steps_ingested, state.counters.steps_total))
+        if not key.same_as(cached.cost_key):
+            p = cost.refit()
+            cached.cost_key = key
+            cached.cost_model = controller_pb2.CostModel(
+                mem_ms=p.mem_ms, mem_ms_per_kv_token=p.mem_ms_per_kv_token, compute_ms=p.compute_ms,
+                compute_ms_per_token=p.compute_ms_per_token, compute_ms_per_pair=p.compute_ms_per_pair,
+                compute_ms_per_kv_token=p.compute_ms_per_kv_token,
+                compute_knots=p.compute_knots, compute_rise_ms=p.compute_rise_ms, draft_fixed_ms=p.draft_fixed_ms,
+                draft_ms_per_level=p.draft_ms_per_level, draft_ms_per_node=p.draft_ms_per_node,
+                draft_ms_per_level_kv_token=p.draft_ms_per_level_kv_token,
+                catch_up_ms_per_token=p.catch_up_ms_per_token, samples=cost.samples, rmse_ms=cost.rmse_ms,
+            )
+        return cached.cost_model
+
+    def _plan_status(self, state: WorkerState, cached: "_WorkerStatusCache") -> plan_pb2.Plan:
+        """The plan in force as a ``Plan``, rebuilt only when another plan is acknowledged."""
+        ledger = state.plans
+        key = _StatusKey((ledger.in_force, ledger.in_force_classes),
+                         (ledger.acked_version, ledger.last_push_at, self.policy.name))
+        if not key.same_as(cached.plan_key):
+            classes = ledger.in_force_classes
+            cached.plan_key = key
+            cached.plan = plan_to_proto(ledger.in_force.table, ledger.acked_version, "", self.policy.name,
+                                        ledger.last_push_at, ledger.in_force.expected_goodput_tok_s,
+                                        class_plans(classes, ledger.in_force), classes.default,
+                                        state_plans(ledger.in_force))
+        return cached.plan
 
     def _strata(self, out, view, state: WorkerState) -> None:
         """``StratumAcceptance`` entries of ``view`` appended to ``out``."""
@@ -409,6 +486,52 @@ class Controller:
                 effective_samples=view.effective_samples(c).tolist(),
                 expected_accepted_chain=expected_chain_accepted(alpha),
             )
+
+
+@dataclass(frozen=True)
+class _StatusKey:
+    """What a cached status part was built from: ``objects`` compared by
+    identity (models and plans change in place or are replaced), ``values``
+    by equality (counters, versions)."""
+
+    objects: tuple
+    values: tuple
+
+    def same_as(self, other: "_StatusKey | None") -> bool:
+        return (other is not None and len(other.objects) == len(self.objects)
+                and all(a is b for a, b in zip(self.objects, other.objects)) and self.values == other.values)
+
+
+@dataclass
+class _WorkerStatusCache:
+    """The expensive parts of one worker's last ``WorkerStatus`` and what they were built from."""
+
+    cost_key: _StatusKey | None = None
+    cost_model: controller_pb2.CostModel | None = None
+    plan_key: _StatusKey | None = None
+    plan: plan_pb2.Plan | None = None
+
+
+class _StatusBuild:
+    """What the workers of one status response share: the acceptance strata
+    of a drafter version (one model for all its workers) are read once."""
+
+    def __init__(self) -> None:
+        self._strata: dict[tuple, list[controller_pb2.StratumAcceptance]] = {}
+
+    def strata(self, ctl: Controller, state: WorkerState, typical: bool) -> list[controller_pb2.StratumAcceptance]:
+        limits = state.limits
+        key = (typical, state.drafter_key, state.hello.drafter.kind, limits.version, limits.max_depth,
+               limits.max_width)
+        entries = self._strata.get(key)
+        if entries is None:
+            view = ctl.typical_view(state) if typical else ctl.acceptance.view(
+                state.drafter_key, limits.max_depth, limits.max_width)
+            holder = controller_pb2.WorkerStatus()
+            if view is not None:
+                ctl._strata(holder.acceptance, view, state)
+            entries = self._strata[key] = list(holder.acceptance)
+        return entries
 
 
 def _stable_seed(text: str) -> int:

@@ -836,6 +836,14 @@ class FleetDriftMonitor:
                 "versions": self.status()}
 
 
+@dataclass(frozen=True)
+class UnitCosts:
+    """The owner monitor's measured CPU cost per request-step (smoothed, :meth:`CapacityEstimate.unit_costs`)."""
+
+    per_step: float  # seconds observing one request-step
+    per_forward: float  # seconds forwarding one of this replica's own kept request-steps (0.0: none yet)
+
+
 @dataclass
 class CapacityEstimate:
     """What the owner's monitor costs, from its feed's measured CPU, smoothed in time.
@@ -854,6 +862,13 @@ class CapacityEstimate:
     ...     c.add(1.0, 0.020, 0.012, 0.010, 1000, 0.002, 1000)
     >>> round(c.scale(1000.0, 0.8), 2)  # 16 ms a second to spend, 12 ms spent: room for a third more
     1.33
+    >>> u = c.unit_costs()
+    >>> round(u.per_step * 1e6, 1), round(u.per_forward * 1e6, 1)  # µs observing, forwarding a step
+    (10.0, 2.0)
+    >>> round(c.steps_per_s(0.8))  # (16 ms - 2 ms forwarding) / 10 µs
+    1400
+    >>> round(c.scale(c.steps_per_s(0.8), 0.8), 9)  # that inflow fills the margin exactly: the two agree
+    1.0
     >>> c.add(1.0, 0.020, 0.082, 0.010, 1000, 0.002, 1000)  # a 70 ms calibration ...
     >>> c.add(1.0, 0.020, 0.0, 0.0, 0, 0.0, 0)  # ... paid back by the next windows' ticks
     >>> 0.5 < c.scale(1000.0, 0.8) < 1.0  # a dip (spread over the horizon), not a collapse
@@ -882,26 +897,38 @@ class CapacityEstimate:
         self.observe_s, self.observed = keep * self.observe_s + observe_s, keep * self.observed + observed
         self.forward_s, self.forwarded = keep * self.forward_s + forward_s, keep * self.forwarded + forwarded
 
+    def unit_costs(self) -> UnitCosts | None:
+        """CPU seconds per request-step observed and per request-step forwarded, or None while too few steps
+        have been observed to trust a cost per step.
+
+        Both :meth:`steps_per_s` (what the owner sheds beyond) and :meth:`scale` (what the published fraction
+        moves by) price the budget with these two costs: computed in one place, they cannot disagree on when
+        a cost exists (50 steps observed, some CPU measured, some weight gathered) or on a replica that has
+        forwarded nothing yet (forwarding then costs nothing, not a division by zero)."""
+        if self.observed < 50 or self.observe_s <= 0.0 or self.weight <= 0.0:
+            return None
+        return UnitCosts(per_step=self.observe_s / self.observed,
+                         per_forward=self.forward_s / self.forwarded if self.forwarded > 0 else 0.0)
+
     def steps_per_s(self, margin: float) -> float | None:
         """Request-steps a second ``margin`` of the budget affords after the fixed overheads and this
         replica's forwarding; None until a cost per step is measured."""
-        if self.observed < 50 or self.observe_s <= 0.0 or self.weight <= 0.0:
+        unit = self.unit_costs()
+        if unit is None:
             return None
-        per_forward = self.forward_s / self.forwarded if self.forwarded > 0 else 0.0
-        left = (margin * self.budget - self.fixed - self.forward_rate * per_forward) / self.weight
-        return max(0.0, left) / (self.observe_s / self.observed)
+        left = (margin * self.budget - self.fixed - self.forward_rate * unit.per_forward) / self.weight
+        return max(0.0, left) / unit.per_step
 
     def scale(self, inflow: float, margin: float) -> float | None:
         """The factor on the fraction now in force that makes an inflow of ``inflow`` request-steps a second
         to observe (and this replica's forwarding, at its rate now) fill ``margin`` of the budget left after
         the fixed overheads; None until enough steps are observed for a cost per step."""
-        if self.observed < 50 or self.observe_s <= 0.0 or self.weight <= 0.0:
+        unit = self.unit_costs()
+        if unit is None:
             return None
-        per_step = self.observe_s / self.observed
-        per_forward = self.forward_s / self.forwarded if self.forwarded > 0 else 0.0
         # The rates are weighted means over the windows seen so far: divide by the weight gathered.
         left = margin * self.budget / self.weight - self.fixed / self.weight
-        load = inflow * per_step + self.forward_rate / self.weight * per_forward
+        load = inflow * unit.per_step + self.forward_rate / self.weight * unit.per_forward
         return max(0.0, left) / load if load > 0.0 else None
 
 

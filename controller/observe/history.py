@@ -24,6 +24,7 @@ data for ``/status.json`` and the page.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
@@ -35,14 +36,17 @@ import numpy as np
 from controller.observe.metrics import acceptance_by_position, bucket_labels, mean_context_len, reason_label
 from policies.base import Observation
 from policies.goodput import observed_mix, table_goodput
+from policies.outcome import FIRST_STATES, STATE_NAMES
 from protos.speculation.v1 import controller_pb2
 
 if TYPE_CHECKING:
     from controller.alerts.alerting import DriftAlerting
     from controller.core import Controller, WorkerState
     from controller.core.classes import ClassSummary
+    from policies.table import DecisionTable
 
 MIN_TRIALS = 30  # request-steps behind a plotted acceptance or τ-share value
+SNAPSHOT_SLICE_S = 0.005  # CPU a snapshot may hold the event loop for before it yields (snapshot_async)
 SERIES = ("t", "drafter_version", "plan_version", "alpha", "tau_share", "speedup", "estimated_goodput",
           "expected_goodput", "realised_goodput", "class_tpot")
 
@@ -99,6 +103,18 @@ def _class_dict(c: "ClassSummary", cell: list[int] | None = None) -> dict[str, A
         "step_ms_mean": c.step_ms_mean, "mean_context_len": c.mean_context_len, "request_steps": c.request_steps,
         "typical_request_steps": c.typical_request_steps,
     }
+
+
+def _cells(table: "DecisionTable") -> dict[str, list[list[int]]]:
+    """Depth, width and node cap of every cell of ``table``, one list per batch bucket."""
+    rows = [table.row(b) for b in range(len(table.batch_edges))]
+    return {"depth": [[d.depth for d in row] for row in rows], "width": [[d.width for d in row] for row in rows],
+            "max_nodes": [[d.max_nodes for d in row] for row in rows]}
+
+
+def _state_table(state: int, table: "DecisionTable") -> dict[str, Any]:
+    """One request state's table of a plan (``Plan.state_tables`` / ``later_state_tables``), same edges as the plan."""
+    return {"state": state, "name": STATE_NAMES.get(state, str(state)), **_cells(table)}
 
 
 def _finite(x: float) -> float | None:
@@ -266,6 +282,33 @@ class StatusHistory:
         Every worker gets its summary; the plan and the history come with the
         first ``detailed`` workers by id, or with ``worker_id`` alone when given.
         """
+        out, states = self._snapshot_head(worker_id)
+        out["workers"] = [self._worker(s, detail=i < detailed or bool(worker_id)) for i, s in enumerate(states)]
+        return out
+
+    async def snapshot_async(self, worker_id: str = "", detailed: int = 16,
+                             slice_s: float | None = None) -> dict[str, Any]:
+        """:meth:`snapshot` built in slices of about ``slice_s`` of CPU with a
+        yield to the event loop between two (the page and ``/status.json`` of a
+        large fleet do not stall its telemetry). The workers are those
+        registered at the start; one that left meanwhile is skipped.
+        ``slice_s``: ``SNAPSHOT_SLICE_S`` when not given."""
+        slice_s = SNAPSHOT_SLICE_S if slice_s is None else slice_s
+        out, states = self._snapshot_head(worker_id)
+        workers = out["workers"] = []
+        started = time.perf_counter()
+        for i, state in enumerate(states):
+            if time.perf_counter() - started > slice_s:
+                await asyncio.sleep(0)
+                started = time.perf_counter()
+                state = self.controller.workers.get(state.worker_id)
+                if state is None:
+                    continue
+            workers.append(self._worker(state, detail=i < detailed or bool(worker_id)))
+        return out
+
+    def _snapshot_head(self, worker_id: str) -> tuple[dict[str, Any], list["WorkerState"]]:
+        """The fleet-wide part of a snapshot, and the workers to add to it (by id)."""
         ctl = self.controller
         states = sorted(ctl.workers.values(), key=lambda s: s.worker_id)
         if worker_id:
@@ -281,8 +324,8 @@ class StatusHistory:
             "drift_monitor": self.alerting is not None,
             "alerts": alerts,
             "rollouts": [r.to_dict() for r in self.rollouts if not worker_id or r.worker_id == worker_id],
-            "workers": [self._worker(s, detail=i < detailed or bool(worker_id)) for i, s in enumerate(states)],
-        }
+            "workers": [],
+        }, states
 
     def _worker(self, state: "WorkerState", detail: bool) -> dict[str, Any]:
         h = state.hello
@@ -327,17 +370,21 @@ class StatusHistory:
         if not detail:
             return out
         if state.plans.in_force is not None:  # what the worker acknowledged, not a plan merely sent
-            table = state.plans.in_force.table
-            rows = [table.row(b) for b in range(len(table.batch_edges))]
+            draft = state.plans.in_force
+            table = draft.table
             out["plan"] = {
                 "batch_edges": list(table.batch_edges),
                 "context_edges": list(table.context_edges),
                 "batch_labels": bucket_labels(table.batch_edges),
                 "context_labels": bucket_labels(table.context_edges),
-                "depth": [[d.depth for d in row] for row in rows],
-                "width": [[d.width for d in row] for row in rows],
-                "max_nodes": [[d.max_nodes for d in row] for row in rows],
-                "expected_goodput_tok_s": state.plans.in_force.expected_goodput_tok_s,
+                **_cells(table),
+                "expected_goodput_tok_s": draft.expected_goodput_tok_s,
+                # Per request state, split as the Plan message splits them (controller.protocol.plan_to_proto):
+                # the states every tracking worker knows, and those added since (RESTING, OTHER).
+                "state_tables": [_state_table(s, t) for s, t in sorted(draft.state_tables.items())
+                                 if s in FIRST_STATES],
+                "later_state_tables": [_state_table(s, t) for s, t in sorted(draft.state_tables.items())
+                                       if s not in FIRST_STATES],
             }
         out["history"] = (history or WorkerHistory(0)).to_dict()
         return out

@@ -13,8 +13,9 @@ timeline of those head-retraining events. Its request classes get a table
 rule) and, when the policy has more than one, TPOT p99 per class over time.
 
 ``StatusSite`` owns the history and the HTTP server. Snapshots are taken on
-the event loop (consistent, cheap copies); the metrics text, the page and
-the JSON are rendered in a worker thread.
+the event loop (cheap copies, in slices that yield to the loop between
+workers); the metrics text, the page and the JSON are rendered in a worker
+thread.
 """
 
 from __future__ import annotations
@@ -122,6 +123,26 @@ def plan_heatmap(worker: dict[str, Any]) -> str:
                    legend=legend, width=400, height=320)
 
 
+def state_heatmaps(worker: dict[str, Any]) -> list[str]:
+    """One heat-map per request-state table of the plan in force: ``state_tables``
+    (AFTER_MISS, AFTER_HIT), then ``later_state_tables`` (RESTING, OTHER)."""
+    plan, wid = worker["plan"], worker["worker_id"]
+    if plan is None:
+        return []
+    highlight = (bucket_index(plan["batch_edges"], round(worker["mean_batch_size"])),
+                 bucket_index(plan["context_edges"], int(worker["mean_context_len"])))
+    out = []
+    for field in ("state_tables", "later_state_tables"):
+        for st in plan.get(field) or []:
+            texts = [[_cell_text(d, w) for d, w in zip(drow, wrow)] for drow, wrow in zip(st["depth"], st["width"])]
+            out.append(heatmap(f"Request state {st['name']} ({field}): draft depth×width",
+                               f"state-{st['name']}-{wid}", [str(b) for b in plan["batch_edges"]],
+                               [_short(c) for c in plan["context_edges"]], st["depth"], texts, _depth_color,
+                               x_label="context length (bucket from)", y_label="batch size (bucket from)",
+                               highlight=highlight, width=400, height=320))
+    return out
+
+
 def _events_for(worker: dict[str, Any], snapshot: dict[str, Any]) -> tuple[list[Marker], list[Span]]:
     """Roll-outs of this worker and alerts on any drafter version it ran."""
     wid = worker["worker_id"]
@@ -146,6 +167,7 @@ def worker_charts(worker: dict[str, Any], snapshot: dict[str, Any], x_range: tup
     layers = [(f"τ={t}", TAU_COLORS[t % len(TAU_COLORS)]) for t in range(depth)]
     return [
         plan_heatmap(worker),
+        *state_heatmaps(worker),
         line_chart("Acceptance per draft position", f"alpha-{wid}", alpha, x_range, y_range=(0.0, 1.0),
                    y_label="α (accepted / drafted)", markers=markers, spans=spans, width=390, height=320,
                    bridge_gaps=True),
@@ -405,10 +427,10 @@ class StatusSite:
         return Response(200, body, CONTENT_TYPE_PLAIN_0_0_4)
 
     async def page(self, request: Request) -> Response:
-        snapshot = self.history.snapshot(request.query.get("worker", ""), detailed=MAX_WORKER_SECTIONS)
+        snapshot = await self.history.snapshot_async(request.query.get("worker", ""), detailed=MAX_WORKER_SECTIONS)
         html = await asyncio.to_thread(render_page, snapshot)
         return Response(200, html.encode(), "text/html; charset=utf-8")
 
     async def status_json(self, request: Request) -> Response:
-        snapshot = self.history.snapshot(request.query.get("worker", ""), detailed=MAX_WORKER_SECTIONS)
+        snapshot = await self.history.snapshot_async(request.query.get("worker", ""), detailed=MAX_WORKER_SECTIONS)
         return Response(200, await asyncio.to_thread(render_json, snapshot), "application/json")
