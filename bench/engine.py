@@ -96,6 +96,7 @@ from policies.table import Decision
 from worker.reference.threads import inherit_threads, set_threads
 
 __all__ = ["DEFAULT_DEPTHS", "DEFAULT_TREES", "EngineRun", "PositionAcceptance", "acceptance_warmup_vs_eval",
+           "engine_controller_config",
            "eval_and_warmup_prompts", "eval_prompts", "eval_acceptance_shape", "run_engine_bench", "static_shapes",
            "static_vs_controller"]
 
@@ -370,15 +371,36 @@ def acceptance_warmup_vs_eval(warmup: dict, evaluation: dict, warmup_source: str
     return out
 
 
+def engine_controller_config(policy: str, record: str, overrides: dict | None = None):
+    """The config of one of the benchmark's in-process controllers: a loopback
+    server recording to ``record``, with ``overrides`` (top-level sections of a
+    controller YAML, e.g. ``{"acceptance": {"half_life_s": 30}}``) on top.
+    The benchmark's own settings (listen address, policy, recording, plan
+    intervals, in-memory store) win over the overrides; a bad field raises
+    the config's validation error, which names it.
+
+    >>> engine_controller_config("goodput", "r.jsonl.gz", {"acceptance": {"half_life_s": 30}}).acceptance.half_life_s
+    30.0
+    """
+    from controller.background import in_process_config
+
+    overrides = dict(overrides or {})
+    for section in ("listen", "policy", "record", "plan", "store"):
+        overrides.pop(section, None)
+    return in_process_config(policy, record=record, **overrides)
+
+
 def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-135m", batches=(1, 4, 8),
                      prompts: int = 8, max_new_tokens: int = 48, depths=DEFAULT_DEPTHS,
                      drafters=("ngram", "medusa", "eagle", "oracle"), policy: str = "goodput",
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True,
                      warmup_prompts: int = 8, kernels: str = "tuned", calibrate: bool = True,
-                     trees=DEFAULT_TREES) -> int:
+                     trees=DEFAULT_TREES, controller_overrides: dict | None = None) -> int:
     """The benchmark; see the module docstring. ``warmup_prompts`` = 0: no warm
-    controller (the cold one only)."""
-    from controller.background import BackgroundController, in_process_config
+    controller (the cold one only). ``controller_overrides``: controller config
+    sections for both controllers (:func:`engine_controller_config`; recorded
+    in the JSON as ``controller_config``)."""
+    from controller.background import BackgroundController
     from worker.reference.drafters.oracle import OracleDrafter
     from worker.reference.engine.engine import Engine, static_decide
     from worker.reference.models import load_model
@@ -415,7 +437,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         and outcomes, readable step by step afterwards) and one agent per learned drafter."""
         from worker.sdk.agent import AgentOptions, SpeculationAgent
 
-        ctl = BackgroundController(in_process_config(policy, record=str(out / record)))
+        ctl = BackgroundController(engine_controller_config(policy, str(out / record), controller_overrides))
         agents = {}
         try:
             for d in learned:
@@ -518,6 +540,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "policy": policy,
         "controller_warmup_prompts": [p.id for p in warm_items] if warm_agents else [],
         "controller_warmup_source": WARMUP_SOURCE if warm_agents else "",
+        "controller_config": dict(controller_overrides or {}),
         "static_shapes": {d: [name for name, _ in shapes[d]] for d in learned},
         "heads": {d: getattr(built[d], "version", "") for d in learned},
         "kernels": _kernel_summary(lm.kernels),

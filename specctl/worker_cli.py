@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from worker.reference.threads import set_threads
 
@@ -327,12 +328,37 @@ def bench_engine(args: argparse.Namespace) -> int:
 
     if not _use_device("bench engine", args.device, [d for d in args.drafters.split(",") if d in CPU_ONLY_DRAFTERS]):
         return 2
+    overrides = _controller_overrides(getattr(args, "config", None))
+    if overrides is None:
+        return 2
     return run_engine_bench(
         out_dir=args.out, model_name=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
         prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         depths=tuple(int(d) for d in args.depths.split(",")), drafters=tuple(args.drafters.split(",")),
         policy=args.engine_policy, threads=args.threads, heads_dir=args.heads, warmup_prompts=args.warmup_prompts,
-        kernels=args.kernels, trees=_tree_shapes(args.trees))
+        kernels=args.kernels, trees=_tree_shapes(args.trees), controller_overrides=overrides)
+
+
+def _controller_overrides(path: str | None) -> dict | None:
+    """``--config``'s sections for the engine benchmark's controllers, checked
+    against the controller config; ``{}`` without one, None (after an error
+    naming the file and the field) when it does not load or validate."""
+    if not path:
+        return {}
+    import yaml
+    from pydantic import ValidationError
+
+    from bench.engine import engine_controller_config
+
+    try:
+        overrides = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"top level is a {type(overrides).__name__}, expected a mapping of config sections")
+        engine_controller_config("goodput", "", overrides)
+    except (OSError, ValueError, yaml.YAMLError, ValidationError) as err:
+        print(f"specctl bench engine: --config {path}: {err}", file=sys.stderr)
+        return None
+    return overrides
 
 
 def _tree_shapes(text: str) -> tuple[tuple[int, int, int], ...]:

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.engine import (PositionAcceptance, acceptance_warmup_vs_eval, eval_acceptance_shape,
-                          eval_and_warmup_prompts, eval_prompts, run_engine_bench, static_shapes)
+from bench.engine import (PositionAcceptance, acceptance_warmup_vs_eval, engine_controller_config,
+                          eval_acceptance_shape, eval_and_warmup_prompts, eval_prompts, run_engine_bench,
+                          static_shapes)
 from policies.table import Decision
 from worker.sdk.telemetry import RequestTelemetry, StepTelemetry
 
@@ -98,13 +99,42 @@ def test_eval_acceptance_runs_on_the_deepest_static_shape_chain_first():
     assert eval_acceptance_shape([]) == ""
 
 
+def test_controller_config_sections_reach_both_controllers_and_the_bench_keeps_its_own():
+    cfg = engine_controller_config("goodput", "rec.jsonl.gz", {
+        "acceptance": {"half_life_s": 30}, "plan": {"recompute_interval_s": 9.0}, "policy": "static",
+        "listen": "0.0.0.0:50051"})
+    assert cfg.acceptance.half_life_s == 30.0
+    # The benchmark's loopback server, policy, recording and plan cadence are not the file's to change.
+    assert (cfg.listen, cfg.policy, cfg.record, cfg.plan.recompute_interval_s) == (
+        "127.0.0.1:0", "goodput", "rec.jsonl.gz", 0.5)
+    assert engine_controller_config("goodput", "r", None).acceptance.half_life_s == 120.0  # no file: defaults
+
+
+def test_a_bad_controller_config_for_bench_engine_is_refused_naming_file_and_field(tmp_path, capsys):
+    from specctl.worker_cli import _controller_overrides
+
+    good = tmp_path / "good.yaml"
+    good.write_text("acceptance:\n  half_life_s: 30\n")
+    assert _controller_overrides(str(good)) == {"acceptance": {"half_life_s": 30}}
+    assert _controller_overrides(None) == {}
+    for text, field in (("acceptance:\n  half_life: 30\n", "acceptance.half_life"),
+                        ("acceptance:\n  half_life_s: -1\n", "acceptance.half_life_s"),
+                        ("- acceptance\n", "mapping")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        assert _controller_overrides(str(bad)) is None
+        err = capsys.readouterr().err
+        assert str(bad) in err and field in err, err
+
+
 @pytest.fixture(scope="module")
 def engine_bench(tmp_path_factory):
     """One shrunk run of the whole benchmark, read by the tests below: ``(its folder, engine.json)``."""
     out = tmp_path_factory.mktemp("engine")
     assert run_engine_bench(out_dir=str(out), batches=(1, 2), prompts=2, max_new_tokens=6, depths=(2,),
                             trees=((2, 2, 3),), drafters=("ngram", "oracle"), policy="goodput", plot=True,
-                            warmup_prompts=2, calibrate=False) == 0  # start-up calibration: 20 s, tested apart
+                            warmup_prompts=2, calibrate=False,  # start-up calibration: 20 s, tested apart
+                            controller_overrides={"acceptance": {"half_life_s": 60.0}}) == 0
     return out, json.loads((out / "engine.json").read_text())
 
 
@@ -112,6 +142,7 @@ def engine_bench(tmp_path_factory):
 @needs_smollm2
 def test_engine_bench_compares_warmup_and_evaluation_acceptance(engine_bench):
     _, result = engine_bench
+    assert result["controller_config"] == {"acceptance": {"half_life_s": 60.0}}
     runs = {(r["drafter"], r["policy"], r["batch"]): r for r in result["runs"]}
     rows = {(a["drafter"], a["batch"]): a for a in result["acceptance_warmup_vs_eval"]}
     assert set(rows) == {("ngram", 1), ("ngram", 2)}
