@@ -196,6 +196,19 @@ def test_a_tracking_agent_decides_its_default_requests_by_the_other_table() -> N
     assert agent.state_table(DEFAULT).lookup(1, 100) == Decision.chain(4)
 
 
+def test_a_tracked_state_without_a_table_is_decided_by_the_plan_table_not_the_other_table() -> None:
+    """The policy leaves out a state whose table equals Plan.table; with an OTHER table
+    in the plan, such a state's requests must still get Plan.table (as priced), and
+    only default-state requests the OTHER table."""
+    agent = SpeculationAgent(make_hello(max_depth=6), "127.0.0.1:1")
+    assert agent._apply_plan(state_plan(miss=0, hit=None, default=2, other=4)).WhichOneof("payload") == "ack"
+    agent.observe(step(1, req("m", 2, 0), req("h", 2, 2), req("p", 2, 1)))
+    agent.observe(step(2, req("r", 2, 0)))
+    agent.observe(step(3, req("r", 0)))  # r rests; RESTING has no table of its own
+    assert [agent.decide(r, 100, 1) for r in "mhpr"] == [
+        Decision.off(), Decision.chain(2), Decision.chain(4), Decision.chain(2)]
+
+
 def test_state_tables_refine_the_default_class_only() -> None:
     agent = SpeculationAgent(make_hello(max_depth=6), "127.0.0.1:1")
     plan = state_plan(miss=1, hit=5, default=2)

@@ -354,18 +354,27 @@ class Controller:
         """
         out, states = self._status_head(worker_id)
         build = _StatusBuild()
-        started = time.perf_counter()
-        for state in states:
-            if time.perf_counter() - started > slice_s:
-                await asyncio.sleep(0)
-                started = time.perf_counter()
-                state = self.workers.get(state.worker_id)
-                if state is None:  # forgotten while we yielded
-                    continue
+        async for _, state in self.in_slices(states, slice_s):
             out.workers.append(self.worker_status(state, build))
         if not worker_id:
             self._prune_status_cache()
         return out
+
+    async def in_slices(self, states: list[WorkerState], slice_s: float = STATUS_SLICE_S):
+        """``(index, state)`` of ``states``, yielding the event loop whenever about
+        ``slice_s`` of CPU has gone by since the last yield (for work per worker
+        that would otherwise hold the loop for the whole fleet). After a yield a
+        worker is looked up again: one forgotten meanwhile is skipped, one
+        re-registered is given as it is now."""
+        started = time.perf_counter()
+        for i, state in enumerate(states):
+            if time.perf_counter() - started > slice_s:
+                await asyncio.sleep(0)
+                started = time.perf_counter()
+                state = self.workers.get(state.worker_id)
+                if state is None:
+                    continue
+            yield i, state
 
     def _status_head(self, worker_id: str) -> tuple[controller_pb2.GetStatusResponse, list[WorkerState]]:
         """The response's fleet-wide fields, and the workers to add to it."""

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from controller.core.controller import STATUS_SLICE_S
 from controller.observe.metrics import acceptance_by_position, bucket_labels, mean_context_len, reason_label
 from policies.base import Observation
 from policies.goodput import observed_mix, table_goodput
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from policies.table import DecisionTable
 
 MIN_TRIALS = 30  # request-steps behind a plotted acceptance or τ-share value
-SNAPSHOT_SLICE_S = 0.005  # CPU a snapshot may hold the event loop for before it yields (snapshot_async)
+SNAPSHOT_SLICE_S = STATUS_SLICE_S  # CPU a snapshot may hold the event loop for before it yields (snapshot_async)
 SERIES = ("t", "drafter_version", "plan_version", "alpha", "tau_share", "speedup", "estimated_goodput",
           "expected_goodput", "realised_goodput", "class_tpot")
 
@@ -296,14 +297,7 @@ class StatusHistory:
         slice_s = SNAPSHOT_SLICE_S if slice_s is None else slice_s
         out, states = self._snapshot_head(worker_id)
         workers = out["workers"] = []
-        started = time.perf_counter()
-        for i, state in enumerate(states):
-            if time.perf_counter() - started > slice_s:
-                await asyncio.sleep(0)
-                started = time.perf_counter()
-                state = self.controller.workers.get(state.worker_id)
-                if state is None:
-                    continue
+        async for i, state in self.controller.in_slices(states, slice_s):
             workers.append(self._worker(state, detail=i < detailed or bool(worker_id)))
         return out
 

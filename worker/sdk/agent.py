@@ -67,7 +67,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 import grpc
 
-from policies.outcome import AFTER_HIT, AFTER_MISS, DEFAULT, OTHER, REST_STEPS, RESTING, TABLE_STATES
+from policies.outcome import (AFTER_HIT, AFTER_MISS, DEFAULT, OTHER, REST_STEPS, RESTING, TABLE_STATES,
+                              TRACKED_STATES)
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import controller_pb2_grpc, plan_pb2, worker_pb2
 from worker.sdk.placement import HEALTH_CHECK, Endpoint, Placement, Targets, health_request, health_serving
@@ -479,6 +480,11 @@ def compile_classes(plan: plan_pb2.Plan, hello: worker_pb2.Hello, table: Decisio
     a typical class needs epsilon and delta in (0, 1]; state tables as
     :func:`compile_states` checks them."""
     states = compile_states(plan, hello, table)
+    if OTHER in states:
+        # A tracked state without an entry is decided by Plan.table (the proto's rule, and what the
+        # policy priced), not by the OTHER table that becomes the default one below.
+        for state in TRACKED_STATES:
+            states.setdefault(state, table)
     if not plan.classes:
         if plan.default_class:
             raise ValueError(f"default_class = {plan.default_class!r} but the plan lists no classes")
