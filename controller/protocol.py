@@ -12,7 +12,7 @@ from typing import Collection, NamedTuple, Sequence
 
 from policies.base import DrafterLimits, PlanDraft
 from policies.classes import ClassSet
-from policies.outcome import FIRST_STATES
+from policies.outcome import split_first_states
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import plan_pb2, worker_pb2
 
@@ -26,6 +26,7 @@ DRAFTER_KIND_NAMES = {
     worker_pb2.DRAFTER_KIND_MTP: "mtp",
 }
 MAX_CONTEXT_LEN = 1 << 24  # tokens; far beyond any served context
+MAX_CATCH_UP_WINDOW = MAX_CONTEXT_LEN
 MAX_BATCH_SIZE = 1 << 16
 MAX_BATCH_TOKENS = 1 << 20  # tokens one forward computes
 MAX_STEP_MS = 3.6e6  # one hour
@@ -62,6 +63,7 @@ def drafter_limits(hello: worker_pb2.Hello) -> DrafterLimits:
         max_width=d.max_width,
         max_tree_nodes=d.max_tree_nodes,
         trained_context_len=d.trained_context_len,
+        catch_up_window=d.catch_up_window,
     )
 
 
@@ -77,6 +79,8 @@ def validate_hello(hello: worker_pb2.Hello) -> None:
         "hello.drafter.max_tree_nodes",
         f"{d.max_tree_nodes} must be in max_depth ({d.max_depth})..4096",
     )
+    _need(d.catch_up_window <= MAX_CATCH_UP_WINDOW, "hello.drafter.catch_up_window",
+          f"{d.catch_up_window} must be in 0..{MAX_CATCH_UP_WINDOW} tokens (0 = unbounded)")
     _need(hello.max_batch_size <= MAX_BATCH_SIZE, "hello.max_batch_size",
           f"{hello.max_batch_size} must be in 0..{MAX_BATCH_SIZE} (0 = unknown)")
     _need(hello.verify_layout in worker_pb2.VerifyLayout.values(), "hello.verify_layout",
@@ -346,6 +350,7 @@ def plan_to_proto(table: DecisionTable, version: int, nonce: str, policy: str, c
     ``state_tables`` as :func:`state_plans` does: the states every tracking worker knows go
     in ``Plan.state_tables``, those added since in ``Plan.later_state_tables`` (a worker
     that does not know one skips it there; ``policies.outcome.FIRST_STATES``)."""
+    first_states, later_states = split_first_states(state_tables, lambda sp: sp.state)
     return plan_pb2.Plan(
         version=version,
         nonce=nonce,
@@ -357,6 +362,6 @@ def plan_to_proto(table: DecisionTable, version: int, nonce: str, policy: str, c
         expected_goodput_tok_s=expected_goodput,
         classes=classes,
         default_class=default_class if classes else "",
-        state_tables=[sp for sp in state_tables if sp.state in FIRST_STATES],
-        later_state_tables=[sp for sp in state_tables if sp.state not in FIRST_STATES],
+        state_tables=first_states,
+        later_state_tables=later_states,
     )

@@ -1,7 +1,7 @@
 """Tree values, batch allocation and step pricing: the goodput policy's building blocks.
 
 Best-first node lists (EAGLE-2 tree values, :func:`best_first_nodes`,
-:func:`capped_node_lists`), the TETRIS ranking of several groups' nodes
+:func:`decision_nodes`, :func:`capped_node_lists`), the TETRIS ranking of several groups' nodes
 (:class:`PrefixTable`, :func:`allocate`), the price of a batch of groups
 (:func:`prefix_step_ms`, :func:`prefix_goodput`, :func:`step_goodput`) and of
 a decision table at the observed load (:func:`table_goodput`). Split out of
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from policies.base import Observation
+from policies.base import AcceptanceEstimate, Observation
 from policies.table import Decision, DecisionTable
 from policies.tree import grow_best_first
 
@@ -66,6 +66,22 @@ def best_first_nodes(rank_probs: np.ndarray, max_depth: int, max_width: int, max
     values, levels, parents = _expand(_offered(rank_probs, offer_probs), max_depth, max_width, max_nodes,
                                       single_cap=True)
     return _node_list(values, levels, parents)
+
+
+def decision_nodes(acceptance: AcceptanceEstimate, context_bucket: int, decision: Decision) -> NodeList:
+    """The nodes ``decision`` drafts for a request in ``context_bucket``, best first, each
+    valued with ``acceptance`` there (its offer probabilities included): what pricing a
+    table's cell needs. An off decision drafts none.
+
+    >>> from types import SimpleNamespace as NS
+    >>> est = NS(rank_probs=lambda c: np.array([[0.6, 0.3], [0.5, 0.2]]), offer_probs=lambda c: np.ones((2, 2)))
+    >>> [round(float(v), 2) for v in decision_nodes(est, 0, Decision(2, 2, 3)).values]
+    [0.6, 0.3, 0.3]
+    >>> len(decision_nodes(est, 0, Decision.off()).values)
+    0
+    """
+    return best_first_nodes(acceptance.rank_probs(context_bucket), decision.depth, decision.width,
+                            decision.max_nodes, acceptance.offer_probs(context_bucket))
 
 
 def _offered(rank_probs: np.ndarray, offer_probs: np.ndarray | None) -> np.ndarray:  # [depth, width]
@@ -497,9 +513,7 @@ def table_goodput(table: DecisionTable, obs: Observation, batch: float | None = 
     groups, offer = [], []
     for c in np.flatnonzero(share):
         d = table.lookup(max(1, round(batch)), obs.context_edges[c])
-        nodes = best_first_nodes(obs.acceptance.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0,
-                                 obs.acceptance.offer_probs(c))
-        groups.append(BatchGroup(batch * share[c], means[c], nodes))
+        groups.append(BatchGroup(batch * share[c], means[c], decision_nodes(obs.acceptance, c, d)))
         offer.append(obs.acceptance.offer_rate(c))
     taken = np.array([len(g.nodes.values) for g in groups])
     return float(step_goodput(groups, taken, obs.cost, np.array(offer), obs.padded_verify))

@@ -31,6 +31,7 @@ class DrafterLimits:
     max_width: int = 4
     max_tree_nodes: int = 32
     trained_context_len: int = 0
+    catch_up_window: int = 0  # tokens a switch-on catches up on at most; 0 = all it skipped
 
     def clamp(self, decision: Decision) -> Decision:
         return decision.clamp(self.max_depth, self.max_width, self.max_tree_nodes)

@@ -93,6 +93,7 @@ The building blocks (tree values, the TETRIS ranking, step pricing) are in
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -111,6 +112,7 @@ from policies.allocation import (  # noqa: F401
     allocate,
     best_first_nodes,
     capped_node_lists,
+    decision_nodes,
     expected_max_depth,
     marginal_node_ms,
     observed_mix,
@@ -341,6 +343,31 @@ def class_tail_scale(obs: Observation, rc: RequestClass, k: int, context_share: 
     return tail_scale(rc, load, nodes)
 
 
+# Each live observation's class tail scales (:func:`class_tail_scales`), by ``id``: one
+# observation is read by the policy's solve (``class_batch``, for its plan and again for its
+# probes) and by the controller's plan judge (``class_plan_estimate``, two plans at up to two
+# batches), and each scale expands the drafter's whole tree. An entry goes with its observation.
+_TAIL_SCALES: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def class_tail_scales(obs: Observation) -> np.ndarray:
+    """``[classes]``: :func:`class_tail_scale` of every class of ``obs`` (in its
+    :func:`class_mix`), computed once per observation (an observation is a snapshot, never
+    changed once made) and returned read-only."""
+    key = id(obs)
+    held = _TAIL_SCALES.get(key)
+    if held is not None and held[0]() is obs:
+        return held[1]
+    _, context_share, _ = class_mix(obs)
+    scales = np.array([class_tail_scale(obs, rc, k, context_share) for k, rc in enumerate(obs.classes)])
+    scales.flags.writeable = False
+    try:
+        _TAIL_SCALES[key] = (weakref.ref(obs, lambda _gone, key=key: _TAIL_SCALES.pop(key, None)), scales)
+    except TypeError:  # a stand-in that takes no weak reference is not kept
+        pass
+    return scales
+
+
 def class_mix(obs: Observation) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(share ``[classes]``, context share and mean context ``[classes, buckets]``).
 
@@ -397,8 +424,19 @@ class ClassBatch:
     lists: list[list[list[NodeList]]]
     groups: list[tuple[int, int]]
     distinct: list[int]
+    # From ``groups``, for every row's pricing: each group's class ``[groups]``, the one-hot
+    # ``member[g, k]`` ``[groups, classes]``, and per class the mask of its groups.
+    class_of: np.ndarray = field(init=False, repr=False)
+    member: np.ndarray = field(init=False, repr=False)
+    class_masks: tuple[np.ndarray, ...] = field(init=False, repr=False)
     _tables: dict[tuple[int, ...], PrefixTable] = field(default_factory=dict, repr=False)
     _tail_gains: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.class_of = np.array([k for k, _ in self.groups])
+        self.member = np.zeros((len(self.groups), len(self.classes)))
+        self.member[np.arange(len(self.groups)), self.class_of] = 1.0
+        self.class_masks = tuple(self.class_of == k for k in range(len(self.classes)))
 
     def tail_gains(self) -> np.ndarray:
         """``[distinct caps, groups, nodes + 1]``: what a group's first nodes under each cap are
@@ -525,8 +563,7 @@ def class_plan_estimate(draft: PlanDraft, obs: Observation, batch: float | None 
         acceptance, table = class_acceptance(obs, rc), draft.table_for(rc.name)
         for c in np.flatnonzero(context_share[k]):
             d = table.lookup(max(1, round(batch)), obs.context_edges[c])
-            nodes = best_first_nodes(acceptance.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0,
-                                     acceptance.offer_probs(c))
+            nodes = decision_nodes(acceptance, c, d)
             groups.append(BatchGroup(batch * share[k] * context_share[k, c], means[k, c], nodes))
             offer.append(acceptance.offer_rate(c))
             class_of.append(k)
@@ -539,12 +576,13 @@ def class_plan_estimate(draft: PlanDraft, obs: Observation, batch: float | None 
     loads = [obs.class_load.get(rc.name) for rc in obs.classes]
     step_now = recent_step_ms(obs)
     spread = np.array([tpot_spread(rc, load, step_now) for rc, load in zip(obs.classes, loads)])
-    scale = [class_tail_scale(obs, rc, k, context_share) for k, rc in enumerate(obs.classes)]
+    scale = class_tail_scales(obs)
     class_of_a = np.array(class_of, dtype=np.int64)
     counts = np.array([g.count for g in groups])
     tail_tokens = np.array([1.0 + tail_values(g.nodes, scale[k])[-1] for g, k in zip(groups, class_of)])
-    per_request = np.array([float(target_tokens(rc, counts[class_of_a == k], tail_tokens[class_of_a == k]))
-                            if (class_of_a == k).any() else 1.0 for k, rc in enumerate(obs.classes)])
+    masks = [class_of_a == k for k in range(len(obs.classes))]
+    per_request = np.array([float(target_tokens(rc, counts[mask], tail_tokens[mask])) if mask.any() else 1.0
+                            for mask, rc in zip(masks, obs.classes)])
     tpot = step_ms / np.maximum(per_request, 1e-12) * spread
     ratios = [t / rc.tpot_aim_ms for t, rc in zip(tpot, obs.classes) if rc.has_target]
     weights = np.array([rc.weight for rc in obs.classes])
@@ -775,7 +813,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
             weights=np.array([rc.weight for rc in classes]),
             targets=np.array([rc.tpot_aim_ms if rc.has_target else np.inf for rc in classes]),
             spread=np.array([tpot_spread(rc, obs.class_load.get(rc.name), step_now) for rc in classes]),
-            tail=np.array([class_tail_scale(obs, rc, k, context_share) for k, rc in enumerate(classes)]),
+            tail=class_tail_scales(obs),
             share=share, context_share=context_share, context_mean=context_mean,
             offer=np.array([[estimates[e].offer_rate(c) for c in buckets] for e in which]),
             lists=lists, groups=groups, distinct=distinct,
@@ -811,13 +849,11 @@ class GoodputPolicy(Policy[GoodputConfig]):
         cfg = self.config
         caution = cfg.cost_caution if caution is None else caution
         n_classes, groups = len(cb.classes), cb.groups
-        class_of = np.array([k for k, _ in groups])
+        member, masks = cb.member, cb.class_masks
         counts = np.array([batch * cb.share[k] * cb.context_share[k, b] for k, b in groups])
         contexts = np.array([cb.context_mean[k, b] for k, b in groups])
         offer = np.array([cb.offer[k, b] for k, b in groups])
         switch = None if switch_ms is None else np.array([switch_ms[k][b] for k, b in groups])
-        member = np.zeros((len(groups), n_classes))
-        member[np.arange(len(groups)), class_of] = 1.0
         targeted = np.isfinite(cb.targets)
         tail_gains, group_ix = cb.tail_gains(), np.arange(len(groups))[None, :]
 
@@ -828,8 +864,8 @@ class GoodputPolicy(Policy[GoodputConfig]):
             # What the target's requests emit per step: each node at its worth to them (tail_scale),
             # in the bucket that bounds the target (target_tokens).
             tail_tokens = 1.0 + tail_gains[table.cap_of[rows][:, None], group_ix, table.taken[rows]]
-            per_request = np.stack([target_tokens(rc, counts[class_of == k], tail_tokens[:, class_of == k])
-                                    for k, rc in enumerate(cb.classes)], axis=1)
+            per_request = np.stack([target_tokens(rc, counts[mask], tail_tokens[:, mask])
+                                    for mask, rc in zip(masks, cb.classes)], axis=1)
             tpot = step[:, None] / np.maximum(per_request, 1e-12) * cb.spread
             worst = (np.where(targeted, tpot / np.where(targeted, cb.targets, 1.0), 0.0).max(axis=1)
                      if targeted.any() else np.zeros(len(step)))

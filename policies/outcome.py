@@ -67,7 +67,7 @@ ignores the field), so such a worker decides those requests by
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, Iterable, NamedTuple, TypeVar
 
 DEFAULT = 0  # REQUEST_STATE_UNSPECIFIED: first step, after a partial accept or a plain step, or not tracked
 AFTER_MISS = 1  # REQUEST_STATE_AFTER_MISS
@@ -83,6 +83,23 @@ TABLE_STATES = (AFTER_MISS, AFTER_HIT, RESTING, OTHER)  # the keys a plan's stat
 FIRST_STATES = (AFTER_MISS, AFTER_HIT)  # every tracking worker knows them: Plan.state_tables
 STATE_NAMES = {DEFAULT: "default", AFTER_MISS: "after_miss", AFTER_HIT: "after_hit", RESTING: "resting",
                OTHER: "other"}
+
+T = TypeVar("T")
+
+
+def split_first_states(items: Iterable[T], state_of: Callable[[T], int]) -> tuple[list[T], list[T]]:
+    """``items`` (state tables, or anything keyed by a state) split as a plan carries them:
+    those whose ``state_of`` is in :data:`FIRST_STATES` (``Plan.state_tables``), then the
+    rest (``Plan.later_state_tables``), each in the order given.
+
+    >>> split_first_states([(RESTING, "r"), (AFTER_MISS, "m"), (OTHER, "o"), (AFTER_HIT, "h")], lambda i: i[0])
+    ([(1, 'm'), (2, 'h')], [(3, 'r'), (4, 'o')])
+    """
+    first: list[T] = []
+    later: list[T] = []
+    for item in items:
+        (first if state_of(item) in FIRST_STATES else later).append(item)
+    return first, later
 
 
 def table_key(state: int) -> int:

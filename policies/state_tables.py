@@ -94,7 +94,8 @@ from policies.base import AcceptanceEstimate, Observation, PlanDraft
 from policies.allocation import (
     NodeList,
     PrefixTable,
-    best_first_nodes,
+    best_first_nodes,  # noqa: F401 (the doctests')
+    decision_nodes,
     marginal_node_ms,
     observed_mix,
     prefix_step_ms,
@@ -261,9 +262,7 @@ class _Tracked:
         """State ``k``'s nodes in bucket ``c`` under the default table's ``decision``."""
         key = (k, c, decision)
         if key not in self._baseline:
-            est = self.split.estimates[k]
-            self._baseline[key] = best_first_nodes(est.rank_probs(c), decision.depth, decision.width,
-                                                   decision.max_nodes if decision.depth else 0, est.offer_probs(c))
+            self._baseline[key] = decision_nodes(self.split.estimates[k], c, decision)
         return self._baseline[key]
 
 
@@ -513,7 +512,7 @@ def _probe_pass(policy: Planner, obs: Observation, tr: _Tracked, batch: float, r
         for s in STATES:
             k = index.get(s)
             if k is None:
-                nodes = _nodes(obs.acceptance, c, default_decisions[c])
+                nodes = decision_nodes(obs.acceptance, c, default_decisions[c])
             else:
                 nodes = tr.baseline(k, c, decisions[group_of[(k, c)]] or default_decisions[c])
             steps.append(step_of(nodes, price))
@@ -553,10 +552,6 @@ def _probe_pass(policy: Planner, obs: Observation, tr: _Tracked, batch: float, r
         tokens_now = float(row.counts @ (1.0 + gained))
         out[group_of[(k, c)]] = tr.lists[k][0][c].decision(1)
     return out
-
-
-def _nodes(est: AcceptanceEstimate, c: int, d: Decision) -> NodeList:
-    return best_first_nodes(est.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0, est.offer_probs(c))
 
 
 def _rest_mass(steps: Sequence[StateStep]) -> np.ndarray:
@@ -669,8 +664,7 @@ def _plan_groups(draft: PlanDraft, obs: Observation, batch: float) -> _PlanGroup
         table = draft.table_for_state(table_key(s))
         for c in np.flatnonzero(share_c):
             d = table.lookup(max(1, round(batch)), obs.context_edges[c])
-            nodes = best_first_nodes(est.rank_probs(c), d.depth, d.width, d.max_nodes if d.depth else 0,
-                                     est.offer_probs(c))
+            nodes = decision_nodes(est, c, d)
             m = len(nodes.values)
             rows.append((batch * share_s * share_c[c], means[c], float(nodes.values.sum()), int(nodes.depth[m]), m,
                          est.offer_rate(c)))

@@ -131,6 +131,18 @@ def _bench(args: argparse.Namespace) -> int:
         from specctl.worker_cli import bench_engine
 
         return bench_engine(args)
+    if args.what == "catchup":
+        from bench.catchup import parse_windows, run_catchup_bench
+
+        try:
+            windows = parse_windows(args.catch_up_windows)
+        except ValueError as err:
+            print(f"specctl bench catchup: --catch-up-windows {args.catch_up_windows!r}: {err}", file=sys.stderr)
+            return 2
+        return run_catchup_bench(args.heads, out_dir=args.out, model_name=args.model, windows=windows,
+                                 batch=max(int(b) for b in args.batches.split(",")), prompts=args.prompts,
+                                 max_new_tokens=args.max_new_tokens, off_steps=args.catch_up_off_steps,
+                                 threads=args.threads, kernels=args.kernels, plot=not args.no_plots)
     if args.what == "llamacpp":
         from bench.llamacpp import run_llamacpp_bench
         from policies.presets import PRESET_DIR
@@ -219,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("what", choices=["controller", "policies", "drift", "engine", "faults", "soak", "llamacpp",
-                                        "costfit", "typical", "fleet"])
+                                        "costfit", "typical", "fleet", "catchup"])
     bench.add_argument("--out", default="bench/results", help="output directory for JSON + PNG")
     bench.add_argument("--workers", type=int, default=None, help="simulated workers (default 256; fleet: 32)")
     bench.add_argument("--duration", type=float, default=10.0, help="seconds of measured load (fleet: per backend)")
@@ -262,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
                                              "--threads, --kernels, --quick: 2 prompts x 12 tokens, --no-plots)")
     ty.add_argument("--epsilons", default="0.3,0.09,0.03", help="typical epsilons (delta = sqrt(epsilon))")
     ty.add_argument("--typical-shape", default="4x2:6", help="the n-gram drafter's static tree DEPTHxWIDTH:NODES")
+    cu = bench.add_argument_group("catchup", "options of `bench catchup` (EAGLE's catch-up window; also --heads, "
+                                             "--model, --prompts, --max-new-tokens, --threads, --kernels, "
+                                             "--no-plots; batch: the largest of --batches)")
+    cu.add_argument("--catch-up-windows", default="0,256,64,32,16",
+                    help="windows to compare, in pairs; 0 = unbounded, the reference (default 0,256,64,32,16)")
+    cu.add_argument("--catch-up-off-steps", type=int, default=12,
+                    help="resume / long settings: plain steps per request before it drafts (default 12)")
     fl = bench.add_argument_group("fleet", "options of `bench fleet` (also --workers, --duration, --steps-per-s, "
                                            "--no-plots)")
     fl.add_argument("--replicas", type=int, default=2, help="fleet: specctl serve replicas (one is killed)")

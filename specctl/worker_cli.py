@@ -96,12 +96,16 @@ def _worker(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"specctl worker: --controller: {err}", file=sys.stderr)
         return 2
+    if args.catch_up_window < 0:
+        print(f"specctl worker: --catch-up-window: must be >= 0 tokens (0 = all), got {args.catch_up_window}",
+              file=sys.stderr)
+        return 2
     set_threads(args.threads)
     opts = WorkerOptions(model=args.model, drafter=args.drafter, heads=args.heads, controller=controller,
                          listen=args.listen, worker_id=args.worker_id, max_batch=args.max_batch,
                          fallback_depth=args.fallback_depth, static=args.static, heads_poll_s=args.heads_poll,
                          security=security, kernels=args.kernels, calibrate=not args.no_calibrate,
-                         calibration=args.calibration or "")
+                         calibration=args.calibration or "", catch_up_window=args.catch_up_window)
     try:
         return run_worker(opts)
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
@@ -246,6 +250,10 @@ def add_worker_commands(sub) -> None:
     wk.add_argument("--worker-id", default="", help="default: ref-<hostname>-<port>")
     wk.add_argument("--max-batch", type=int, default=8)
     wk.add_argument("--fallback-depth", type=int, default=3, help="chain depth until the first plan arrives")
+    wk.add_argument("--catch-up-window", type=int, default=0, metavar="TOKENS",
+                    help="eagle: a request switched on catches up on at most its newest TOKENS skipped tokens "
+                         "(0 = all; bounds a switch-on at long contexts for some acceptance, see "
+                         "docs/reference-worker.md)")
     wk.add_argument("--static", default="", help="without a controller: DEPTH[xWIDTH[:NODES]] (default: fallback)")
     wk.add_argument("--threads", type=int, default=1)
     wk.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)

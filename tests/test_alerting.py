@@ -99,7 +99,7 @@ def test_an_owner_sheds_inbound_evidence_past_its_limit_and_its_reader_moves_on(
 
 def test_the_feed_keeps_calibrations_out_of_its_cost_per_step() -> None:
     mon = CostlyMonitor(cost_s=10e-6)
-    feed = MonitorFeed(mon, timer=mon.timer, wall=mon.timer)
+    feed = MonitorFeed(mon, adapt_every_s=0.0, timer=mon.timer, wall=mon.timer)  # a resizing window a drain
     observe = mon.observe_request
 
     def calibrating(*args) -> None:  # the 50th request-step completes a baseline: 40 ms of calibration
@@ -113,6 +113,8 @@ def test_the_feed_keeps_calibrations_out_of_its_cost_per_step() -> None:
     assert feed.observed == 100
     assert abs(feed.observe_total_s - 100 * 10e-6) < 1e-9  # the calibration is not a price per step
     assert abs(feed.spent_total_s - (100 * 10e-6 + 0.04)) < 1e-9  # but the budget paid for it
+    # The price the subset is sized by is that one too (the fleet owner's CapacityEstimate prices a step alike).
+    assert feed.cost_s is not None and abs(feed.cost_s - 10e-6) < 1e-12
 
 
 def test_the_subset_shrinks_to_what_the_budget_affords_and_grows_back() -> None:

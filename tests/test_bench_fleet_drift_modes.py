@@ -101,18 +101,55 @@ def test_both_modes_run_side_by_side_and_report_one_block_each(tmp_path: Path) -
     report = json.loads((tmp_path / "fleet_drift_modes.json").read_text())
     assert (tmp_path / "fleet_drift_modes.png").stat().st_size > 10_000
     assert list(report["modes"]) == list(MODES) == ["replica", "fleet"]
+    check_modes_report(report)
+    ratios = report["fleet_over_replica"]
+    assert set(ratios) == set(RATIO_KEYS)
+    fleet, replica = report["modes"]["fleet"], report["modes"]["replica"]
+    assert ratios["cpu_per_1k_steps_ms"] == pytest.approx(fleet["cpu_per_1k_steps_ms"] / replica["cpu_per_1k_steps_ms"])
+    assert report["seed"] == 0 and report["workers"] == 4
+
+
+def check_modes_report(report: dict) -> None:
+    """What ``fleet_drift_modes.json`` must hold whatever the machine's speed: each block agrees with the
+    phase it sums up, and the modes differ as their construction says (one owner's monitor fed through
+    Redis, or every replica's own)."""
     for mode, block in report["modes"].items():
         assert BLOCK_KEYS <= set(block), (mode, BLOCK_KEYS - set(block))
+        phase = report["phases"][mode]
+        assert phase["backend"] == "redis" and "failover" not in phase
         assert block["cpu_per_1k_steps_ms"] > 0 and block["redis_ops_per_s"] > 0, block
-        assert block["redis_server_cpu_per_1k_steps_ms"] >= 0
+        redis_cpu = block["redis_server_cpu_per_1k_steps_ms"]
+        assert isinstance(redis_cpu, float) and redis_cpu >= 0.0, block  # CPU ticks: 0.0 is possible
         assert isinstance(block["alert_opened"], bool)
         assert (block["detection_evidence_s"] is not None) == block["alert_opened"]
-        for key in ("detection_s", "detection_evidence_s"):
-            assert block[key] is None or block[key] >= 0, (mode, key, block[key])
-        assert block["open_alerts_max_per_stratum"] >= 0 and block["false_alerts_before_drift"] >= 0
-        assert block["feeds_read"] == 2  # both replicas' /metrics answered
-        assert block["monitor_request_steps"] > 0  # the drift monitor(s) saw evidence
-        assert report["phases"][mode]["backend"] == "redis" and "failover" not in report["phases"][mode]
+        if block["detection_s"] is not None:
+            # The first OPENED event on the drifted stratum arrived after the evidence of the first alert
+            # there (same host clock); both delays count from the same drop.
+            assert block["detection_evidence_s"] is not None
+            assert block["detection_s"] >= block["detection_evidence_s"] >= 0.0, block
+            assert block["detection_after_fleet_drop_s"] == pytest.approx(
+                block["detection_s"] - block["fleet_drop_after_s"]), block
+        alerts = phase["drift"]["alerts"]
+        assert block["false_alerts_before_drift"] == sum(a["opened_s"] < 0 for a in alerts)
+        assert block["open_alerts_max_per_stratum"] == max(
+            [0, *(n for sample in phase["alerts"]["samples"] for n in sample["open"].values())])
+        feeds = phase["drift"]["feeds"]
+        workers = {r["address"]: r["workers"] for r in phase["replicas"]}
+        assert set(feeds) == set(workers) and block["feeds_read"] == 2  # both replicas' /metrics answered
+        assert block["monitor_request_steps"] == int(sum(f["monitor_request_steps"] for f in feeds.values())) > 0
+        assert block["evidence_dropped"] == int(sum(f["dropped_request_steps"] for f in feeds.values()))
+        if mode == "replica":  # every replica's own monitor watches its own workers; nothing goes through Redis
+            assert all(f["monitor_request_steps"] > 0 for a, f in feeds.items() if workers[a]), feeds
+            assert all(f["evidence_sent"] == 0 and not f["owns"] for f in feeds.values()), feeds
+        else:  # one monitor, the owner's, fed by every replica's forwarded evidence
+            owner = block["owner"]
+            assert [a for a, f in feeds.items() if f["owns"]] == [owner] and feeds[owner]["owns"] == ["eagle/v1"]
+            assert feeds[owner]["monitor_request_steps"] == block["monitor_request_steps"]
+            assert all(f["monitor_request_steps"] == 0 for a, f in feeds.items() if a != owner), feeds
+            assert all(f["evidence_sent"] > 0 for a, f in feeds.items() if workers[a]), feeds
+            assert block["evidence_shed_by_owner"] == int(feeds[owner]["dropped_request_steps"])
+            for f in feeds.values():  # every replica samples the version by the owner's published fraction
+                assert 0.0 < f["sample_fraction"]["eagle/v1"] <= 1.0, f
     # The modes really differ: one fleet monitor has exactly one owner, whose shedding is counted;
     # per-replica monitors have none.
     fleet, replica = report["modes"]["fleet"], report["modes"]["replica"]
@@ -120,9 +157,5 @@ def test_both_modes_run_side_by_side_and_report_one_block_each(tmp_path: Path) -
     assert [r["address"] for r in report["phases"]["fleet"]["replicas"]] == \
         [r["address"] for r in report["phases"]["replica"]["replicas"]]
     assert fleet["workers_per_replica"] == replica["workers_per_replica"] and sum(fleet["workers_per_replica"]) == 4
-    assert isinstance(fleet["owner"], str) and fleet["evidence_shed_by_owner"] >= 0
+    assert isinstance(fleet["owner"], str) and isinstance(fleet["evidence_shed_by_owner"], int)
     assert replica["owner"] is None and replica["evidence_shed_by_owner"] is None
-    ratios = report["fleet_over_replica"]
-    assert set(ratios) == set(RATIO_KEYS)
-    assert ratios["cpu_per_1k_steps_ms"] == pytest.approx(fleet["cpu_per_1k_steps_ms"] / replica["cpu_per_1k_steps_ms"])
-    assert report["seed"] == 0 and report["workers"] == 4

@@ -15,7 +15,8 @@ from controller.protocol import MAX_CALIBRATION, validate_hello
 from policies.presets import load_preset
 from policies.table import Decision
 from specctl.cli import main
-from worker.reference.engine.step_costs import calibration_samples, load_calibration, table_calibration
+from worker.reference.engine.step_costs import (StepGrid, calibration_samples, load_calibration, measure_step_table,
+                                                 table_calibration)
 from worker.reference.models import tiny_llama
 from worker.reference.server import ReferenceWorker, WorkerOptions
 from worker.sim.measured import MeasuredCostModel, load_table
@@ -52,19 +53,59 @@ def test_the_cpu_path_writes_a_valid_table(tiny):
     for (b, t, c), r in verify.items():
         assert r["batch_tokens"] == b * t and r["kv_tokens"] == b * c
         assert r["verify_ms"] > 0
-    # More tokens per request never much cheaper than fewer: the table measured the shapes it names.
-    # Timed on a shared machine, any one shape's median can come out slow (seen: 5.2 ms for a
-    # 1.1-1.4 ms shape under load), which makes the shapes after it look cheap; so the check is the
-    # median over the grid's (batch, context) pairs of each shape against the cheapest fewer-token
-    # one, which a slow shape or two cannot move (a generous margin all the same).
-    pairs = [(b, c) for b in BATCHES for c in CONTEXTS]
-    for i in range(1, len(TOKENS)):
-        ratios = [verify[b, TOKENS[i], c]["verify_ms"] / min(verify[b, t, c]["verify_ms"] for t in TOKENS[:i])
-                  for b, c in pairs]
-        assert float(np.median(ratios)) >= 0.5, (TOKENS[i], ratios)
+    # What the numbers are (a table of what the timer measured, per shape) is checked with a timer of known
+    # costs below: measured on a shared machine, no relation between two shapes' wall times is safe to assert.
     draft = {(r["batch"], r["width"], r["context"]) for r in table["draft"]}
     assert draft == {(b, w, c) for b in BATCHES for w in WIDTHS for c in CONTEXTS}
     assert all(r["draft_level_ms"] > 0 for r in table["draft"])
+
+
+class TokenTimer:
+    """A timer that moves only by the work timed: ``ms_per_token`` for every token the model's input
+    embedding looks up (the verify forward's ``batch x tokens`` block, the draft level's ``batch x width``
+    ids), plus ``spike_ms`` once, on the ``spike_at``-th lookup (a slow moment of a shared machine)."""
+
+    def __init__(self, model, ms_per_token: float, spike_at: int, spike_ms: float) -> None:
+        self.now = 0.0
+        self.calls = 0
+        self.ms_per_token, self.spike_at, self.spike_ms = ms_per_token, spike_at, spike_ms
+        self.hook = model.get_input_embeddings().register_forward_hook(self._charge)
+
+    def _charge(self, module, args, output) -> None:
+        self.calls += 1
+        spike = self.spike_ms if self.calls == self.spike_at else 0.0
+        self.now += (self.ms_per_token * args[0].numel() + spike) / 1e3
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_table_is_the_median_of_what_its_timer_measured_per_shape():
+    """With a timer whose costs are known (0.1 ms a token) every row is known: verify ``0.1 x batch x
+    tokens`` ms and draft ``0.1 x batch x width`` ms, whatever the context; so more tokens (a wider level)
+    never cost less. A 50 ms stall on one timed call (the 5th lookup: the first cache's warm-up takes
+    one call per token count, then the round-robin starts) does not move its shape's median."""
+    model, _ = tiny_llama(seed=0)
+    timer = TokenTimer(model, ms_per_token=0.1, spike_at=len(TOKENS) + 2, spike_ms=50.0)
+    grid = StepGrid(BATCHES, TOKENS, CONTEXTS, WIDTHS, repeats=3)
+    try:
+        table = measure_step_table(model, grid, "tiny", log=lambda line: None, timer=timer)
+    finally:
+        timer.hook.remove()
+    assert timer.calls > len(TOKENS) + 2  # the stall fell on a timed call
+    verify = {(r["batch"], r["tokens_per_request"], r["context"]): r["verify_ms"] for r in table["verify"]}
+    assert set(verify) == {(b, t, c) for b in BATCHES for t in TOKENS for c in CONTEXTS}
+    for (b, t, c), ms in verify.items():
+        assert ms == pytest.approx(0.1 * b * t, abs=1e-4), (b, t, c, ms)
+    for b in BATCHES:
+        for c in CONTEXTS:
+            row = [verify[b, t, c] for t in TOKENS]
+            assert row == sorted(row) and len(set(row)) == len(row), (b, c, row)
+    draft = {(r["batch"], r["width"], r["context"]): r["draft_level_ms"] for r in table["draft"]}
+    assert set(draft) == {(b, w, c) for b in BATCHES for w in WIDTHS for c in CONTEXTS}
+    for (b, w, c), ms in draft.items():
+        assert ms == pytest.approx(0.1 * b * w, abs=1e-4), (b, w, c, ms)
+    assert table["info"]["repeats"] == 3 and table["info"]["device_type"] == "cpu"
 
 
 def test_the_table_is_a_hello_calibration_the_controller_accepts(tiny):

@@ -364,3 +364,41 @@ def test_catch_up_is_fitted_per_token_counted_in_step_time_and_owed_per_request(
     [over, unasked] = ctl.ingest(state, bad)
     assert over.field == "steps[0].requests[0].caught_up_tokens" and "56" in over.detail
     assert unasked.field == "steps[1].requests[0].caught_up_tokens" and "requested_depth" in unasked.detail
+
+
+def test_a_drafter_with_a_catch_up_window_owes_at_most_the_window() -> None:
+    """A drafter that runs only the newest ``Drafter.catch_up_window`` tokens
+    it skipped (the reference EAGLE drafter's ``catch_up_window``) owes at
+    most that many on a switch-on, however long the request was off; a
+    window wider than the gap changes nothing. Without a window (0) the
+    whole gap is owed (the test above)."""
+    ctl = Controller(ServerConfig(), load_preset("goodput"), clock=lambda: 0.0)
+    hello = make_hello("eagle", max_width=2, max_nodes=8, version="eagle-w")
+    hello.drafter.catch_up_window = 16
+    state = ctl.hello(hello)
+    assert state.limits.catch_up_window == 16
+    steps = worker_pb2.StepReports()
+    s = steps.steps.add(step_id=1, timestamp=1.0, batch_size=3, draft_ms=1.0, verify_ms=20.0, catch_up_ms=1.6)
+    a = s.requests.add(request_id="a", context_len=300, requested_depth=2, caught_up_tokens=16)
+    a.depth, a.width, a.nodes, a.accepted = 2, 1, 2, 1
+    s.requests.add(request_id="b", context_len=200)
+    s.requests.add(request_id="c", context_len=10)
+    s = steps.steps.add(step_id=2, timestamp=2.0, batch_size=3, verify_ms=20.0)
+    for rid, ctx in (("a", 309), ("b", 201), ("c", 11)):
+        s.requests.add(request_id=rid, context_len=ctx)
+    assert not ctl.ingest(state, steps)
+    # "a" holds 302 tokens (300 + 1 accepted + the root) and is at 309: 7 < 16.
+    # "b" never drafted: 201 tokens skipped, 16 owed. "c": 11 < 16.
+    assert dict(ctl.observation(state, 2.0).catch_up_owed) == {"a": 7, "b": 16, "c": 11}
+
+
+def test_a_catch_up_window_out_of_range_is_refused_naming_the_field() -> None:
+    from controller.protocol import MAX_CATCH_UP_WINDOW, Invalid, validate_hello
+
+    hello = make_hello("eagle", version="eagle-w")
+    hello.drafter.catch_up_window = MAX_CATCH_UP_WINDOW + 1
+    with pytest.raises(Invalid) as err:
+        validate_hello(hello)
+    assert err.value.field == "hello.drafter.catch_up_window" and str(MAX_CATCH_UP_WINDOW + 1) in err.value.detail
+    hello.drafter.catch_up_window = MAX_CATCH_UP_WINDOW
+    validate_hello(hello)

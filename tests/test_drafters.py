@@ -261,3 +261,44 @@ def _causal_tail_mask(past: int, new: int) -> torch.Tensor:
     """Bool mask ``[1, 1, new, past + new]``: every cached key, then causal over the new block."""
     causal = torch.ones(new, new, dtype=torch.bool).tril()
     return torch.cat([torch.ones(new, past, dtype=torch.bool), causal], 1)[None, None]
+
+
+def test_eagle_catch_up_window_runs_the_newest_pairs_at_their_own_positions(tiny):
+    """With ``catch_up_window`` W a request's catch-up runs the head over its
+    newest W queued pairs only: on the prompt the drafts equal those of a
+    drafter that was given only those W features (same absolute positions);
+    after an off stretch the head keeps what it cached before and adds the
+    newest W behind a gap."""
+    model, vocab = tiny
+    b = _eagle(model, vocab, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, vocab, (22,), generator=gen).tolist()
+    feats = torch.randn(21, 64, generator=gen)
+    d = Decision(3, 2, 6)
+    with pytest.raises(ValueError, match="catch_up_window"):
+        EagleDrafter(b, model, catch_up_window=0)
+
+    windowed = EagleDrafter(b, model, catch_up_window=4)
+    assert windowed.limits.catch_up_window == 4 and EagleDrafter(b, model).limits.catch_up_window == 0
+    pairs_run = []
+    windowed.head.fc.register_forward_hook(lambda module, args, out: pairs_run.append(args[0].shape[1]))
+    (got,) = windowed.propose([DraftContext("x", tokens[:12], feats[:11])], [d])
+    (want,) = EagleDrafter(b, model).propose([DraftContext("x", tokens[:12], feats[7:11])], [d])
+    assert pairs_run[0] == 4  # not 11
+    assert got.tokens == want.tokens and got.parents == want.parents
+    assert got.confidences == pytest.approx(want.confidences, rel=1e-4)
+
+    # Off for six tokens (queued), then on again with two new features: eight queued, four run.
+    windowed.propose([DraftContext("x", tokens[:18], feats[11:17])], [Decision.off()])
+    runs_before = len(pairs_run)
+    (resumed,) = windowed.propose([DraftContext("x", tokens[:20], feats[17:19])], [d])
+    state = windowed._state["x"]
+    assert pairs_run[runs_before] == 4
+    assert state.k.shape[1] == 4 + 4 and state.pairs == 19  # cached 7..10, gap 11..14, then 15..18
+    assert resumed.tokens and len(resumed.tokens) == len(resumed.parents)
+    # Without a window the same history runs all eight queued pairs.
+    full = EagleDrafter(b, model)
+    full.propose([DraftContext("x", tokens[:12], feats[:11])], [d])
+    full.propose([DraftContext("x", tokens[:18], feats[11:17])], [Decision.off()])
+    full.propose([DraftContext("x", tokens[:20], feats[17:19])], [d])
+    assert full._state["x"].k.shape[1] == full._state["x"].pairs == 19

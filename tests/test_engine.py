@@ -411,3 +411,56 @@ def test_smollm2_engine_ngram_tree_batch2_equals_generate():
                               (OracleDrafter(_truth(prompts, refs), max_depth=6), Decision.chain(6))):
         engine = Engine(tuned.model, drafter, static_decide(decision), max_batch=2)
         assert engine.generate(prompts, new) == refs
+
+
+@pytest.mark.model
+def test_eagle_with_a_catch_up_window_is_lossless_and_catches_up_at_most_the_window(tiny):
+    """Requests switched off and on again (each on every third step) with a
+    catch-up window of 3: the output is plain greedy's, and no switch-on
+    runs the head over more than 3 skipped pairs (the engine's telemetry)."""
+    model, vocab, prompts, refs = tiny
+    torch.manual_seed(0)
+    vocab_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:96].sort().values
+    b = HeadsBundle.build("eagle", EagleHead.config_from_target(model.config), vocab_map)
+    drafter = EagleDrafter(b, model, max_depth=6, max_width=4, max_tree_nodes=32, catch_up_window=3)
+    seen: dict[str, int] = {}
+
+    def every_third(request_id, context_len, batch_size):
+        seen[request_id] = seen.get(request_id, 0) + 1
+        return Decision(3, 2, 6) if seen[request_id] % 3 == 0 else Decision.off()
+
+    class Caught:
+        tokens: list[int] = []
+
+        def observe(self, step):
+            self.tokens += [r.caught_up_tokens for r in step.requests if r.caught_up_tokens]
+
+        def finish(self, summary):
+            pass
+
+    caught = Caught()
+    engine = Engine(model, drafter, every_third, observer=caught, max_batch=2)
+    assert engine.generate(prompts, NEW) == [r[:NEW] for r in refs]
+    assert caught.tokens and max(caught.tokens) <= 3 and engine.stats.spec_row_steps > 0
+
+
+def test_a_worker_announces_its_catch_up_window_in_the_hello(tmp_path, capsys):
+    """``build_drafter(..., catch_up_window=N)`` gives EAGLE the window and the
+    Hello carries it (the controller caps what a switch-on owes there); other
+    drafters have none; ``specctl worker`` refuses a negative one, naming the flag."""
+    from specctl.cli import main
+    from worker.reference.server import build_drafter, make_hello
+
+    model, vocab = tiny_llama(seed=0)
+    HeadsBundle.build("eagle", EagleHead.config_from_target(model.config), torch.arange(vocab)).save(tmp_path / "h")
+    eagle = build_drafter("eagle", model, str(tmp_path / "h"), "tiny", log_fn=lambda *_: None, catch_up_window=48)
+    assert eagle.catch_up_window == 48
+    assert make_hello("w", "tiny", model, eagle, 8).drafter.catch_up_window == 48
+    unbounded = build_drafter("eagle", model, str(tmp_path / "h"), "tiny", log_fn=lambda *_: None)
+    assert unbounded.catch_up_window is None and make_hello("w", "tiny", model, unbounded, 8).drafter.catch_up_window == 0
+    ngram = build_drafter("ngram", model, None, "tiny")
+    assert make_hello("w", "tiny", model, ngram, 8).drafter.catch_up_window == 0
+    with pytest.raises(ValueError, match="catch_up_window"):
+        build_drafter("eagle", model, str(tmp_path / "h"), "tiny", catch_up_window=-1)
+    assert main(["worker", "--catch-up-window", "-1"]) == 2
+    assert "--catch-up-window" in capsys.readouterr().err

@@ -126,13 +126,15 @@ def no_carry(monkeypatch: pytest.MonkeyPatch) -> None:
 # ------------------------------------------------------------------ store
 def test_store_counts_failures_and_backs_off_without_waiting(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "r")  # never started: nothing listens on its port
-    store = FleetStore(server.url, fleet="t", replica_id="a", connect_timeout_s=0.2, backoff_s=(5.0, 5.0))
+    # The store's clock stands still: the failed ping's 5 s of backoff never run out.
+    store = FleetStore(server.url, fleet="t", replica_id="a", connect_timeout_s=0.2, backoff_s=(5.0, 5.0),
+                       clock=lambda: 100.0)
     try:
         assert store.ping() is False
-        start = time.perf_counter()
+        attempted = []
         with pytest.raises(StoreUnavailable, match="backing off"):
-            store.call("merge", lambda r: r.ping())
-        assert time.perf_counter() - start < 0.05  # no connect attempt while backing off
+            store.call("merge", lambda r: attempted.append(r) or r.ping())
+        assert attempted == []  # no connect attempt while backing off: the call never reached the client
         health = store.health()
         assert health["up"] is False and health["outages"] == 1
         assert health["failures"] == {"ping": 1, "merge": 1}
@@ -500,10 +502,12 @@ async def test_a_hung_redis_never_blocks_the_event_loop(redis_server) -> None:
         try:
             fleet.second(merge=False)
             gaps.clear()
-            start = time.perf_counter()
-            assert await fleet.syncs[0].sync_once(timeout_s=0.5) is False
-            assert time.perf_counter() - start < 0.8
-            assert max(gaps) < 0.1  # the loop kept running while the round trip hung
+            failed = fleet.stores[0].failures["acceptance_merge"]
+            assert await fleet.syncs[0].sync_once(timeout_s=0.5) is False  # given up on, not waited for
+            assert fleet.stores[0].failures["acceptance_merge"] > failed
+            # The loop kept running while the round trip hung: the 5 ms heartbeat beat during the call (a
+            # round trip run on the loop would block it for the whole call, and it would not beat at all).
+            assert len(gaps) >= 2, gaps
         finally:
             os.kill(redis_server.pid, signal.SIGCONT)
         fleet.stores[0]._retry_at = float("-inf")
@@ -543,7 +547,12 @@ def test_installs_spread_over_ticks_within_a_loop_budget(redis_server, no_carry)
 def test_sync_benchmark_reports_cpu_per_thousand_steps(redis_server) -> None:
     out = bench_acceptance_sync(redis_server.url, replicas=2, versions=2, seconds=4, steps_per_s=2000)
     assert out["steps"] == 2 * 4 * 2000 and out["merges"] == 8
-    assert 0 < out["cpu_per_1k_steps_ms"] < 50 and out["redis_cpu_per_1k_steps_ms"] >= 0
+    # What the CPU figures are made of (how large they are is the benchmark's to report, not a test's): the
+    # merges' CPU is part of the total per 1,000 steps, and the loop's share is part of each merge's.
+    merges_ms_per_1k = out["merge_cpu_ms_mean"] * out["merges"] * 1000.0 / out["steps"]
+    assert out["cpu_per_1k_steps_ms"] >= merges_ms_per_1k * (1 - 1e-9) > 0
+    assert out["merge_cpu_ms_mean"] >= out["merge_loop_cpu_ms_mean"] * (1 - 1e-9)
+    assert isinstance(out["redis_cpu_per_1k_steps_ms"], float) and out["redis_cpu_per_1k_steps_ms"] >= 0
     assert out["merge_ms_p99"] >= out["merge_ms_p50"] > 0
 
 

@@ -117,15 +117,15 @@ def test_the_inline_copies_of_the_state_rule_agree_with_next_state() -> None:
 def test_tracker_is_bounded_and_forgets_finished_requests() -> None:
     tracker = OutcomeTracker(max_requests=100)
     tracker.observe(step(1, *[req(f"r{i}", 2, 0) for i in range(150)]))
-    assert len(tracker.states) <= 100
+    assert len(tracker.codes) <= 100
     assert tracker.state("r149") == AFTER_MISS  # the newest are kept
     assert tracker.state("r0") == DEFAULT  # the oldest were forgotten: back to the default state
     tracker.forget("r149")
     assert tracker.state("r149") == DEFAULT
-    # Resting requests too: both dicts stay bounded, and a rest whose count was trimmed just ends.
+    # Resting requests too: the dict stays bounded, and a trimmed rest just ends.
     for i in range(2, 5):
         tracker.observe(step(i, *[req(f"q{j}", 0 if i > 2 else 2) for j in range(150)]))
-        assert len(tracker.states) <= 100 and len(tracker.rested) <= 100
+        assert len(tracker.codes) <= 100
     assert tracker.state("q149") == RESTING and tracker.rest("q149") == 2
 
 
@@ -314,7 +314,7 @@ def test_ingest_routes_evidence_by_state_and_leaves_the_pooled_model_as_it_was()
     assert state.load.state_counts == [3.0, 2.0, 1.0, 2.0]
     # The pooled model and accept_counts are what a controller without state models makes of the same steps.
     bare = Controller(ServerConfig(), load_preset("static"), clock=lambda: clock[0])
-    bare.acceptance_by_state.batches = lambda: [None] * 4  # no routing at all
+    bare.acceptance_by_state.models = {}  # no routing at all
     bare_state = bare.hello(make_hello("w", max_depth=4))
     _feed(bare, bare_state, rows)
     pooled = ctl.acceptance.view(state.drafter_key, 4, 1)._params[0]

@@ -90,15 +90,16 @@ class MonitorFeed:
         Request-steps the buffer holds; beyond it the oldest steps are dropped.
     adapt_every_s : float
         How often (``wall`` seconds) the subset is resized to the monitor's measured cost.
-    timer : callable
-        CPU-budget clock: the thread's CPU time, so time the process spends
-        waiting for a core (a busy machine) is not charged to the monitor.
+    timer : callable or None
+        CPU-budget clock; None (the default): the monitor's ``cpu_clock``, the thread's CPU time, so time the
+        process spends waiting for a core (a busy machine) is not charged to the monitor, and the monitor's
+        calibrations (``calibration_s``) are measured on the same clock as the budget they are taken out of.
     wall : callable
         Clock of the resizing windows.
     """
 
     def __init__(self, monitor: AcceptanceDriftMonitor, sample_fraction: float = 1.0, max_buffered: int = 10_000,
-                 adapt_every_s: float = 1.0, timer: Callable[[], float] = time.thread_time,
+                 adapt_every_s: float = 1.0, timer: Callable[[], float] | None = None,
                  wall: Callable[[], float] = time.monotonic) -> None:
         if not 0.0 < sample_fraction <= 1.0:
             raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction!r}")
@@ -108,21 +109,26 @@ class MonitorFeed:
         self._threshold = hash_threshold(sample_fraction)
         self.max_buffered = max_buffered
         self.adapt_every_s = adapt_every_s
-        self._timer = timer
+        self._timer = timer if timer is not None else monitor.cpu_clock
         self._wall = wall
         self._buffer: deque = deque()
         self.buffered = 0  # request-steps waiting
         self.dropped = 0  # request-steps dropped from a full buffer
         self.observed = 0  # request-steps the monitor has seen
         self.errors = 0
-        self.cost_s: float | None = None  # monitor seconds per request-step, over the last few windows
-        self._busy_sum = 0.0
+        # Monitor CPU seconds observing one request-step, calibrations left out, over the last few windows:
+        # the price of a step, the one the fleet's owner prices its budget with too
+        # (controller.fleet.drift_owner.CapacityEstimate: the same totals, observe_total_s over observed).
+        # A calibration (tens of ms when baselines complete) does not grow with the steps sampled, so it is
+        # not a price per step; the budget still pays for it (the debt drain() pays back).
+        self.cost_s: float | None = None
+        self._observe_sum = 0.0
         self._done_sum = 0
         self._overflowed = False
         self._debt = 0.0  # time used beyond the budget, paid back by later ticks
         self._window_start = wall()
         self._window_added = self._window_done = 0
-        self._window_busy = self._window_budget = 0.0
+        self._window_observe = self._window_budget = 0.0
         # Several replicas (controller.fleet.drift_owner): every kept step goes to ``forward`` (the
         # fleet's evidence outbox), and the monitor is fed ``inbound`` steps (its drafter versions'
         # outcomes from every replica, back from the fleet) instead.
@@ -225,7 +231,9 @@ class MonitorFeed:
             else:
                 self.inbound_buffered -= done
             self.observed += done
-            self.observe_total_s += max(0.0, timer() - observing - (self.monitor.calibration_s - calibrated))
+            observe_s = max(0.0, timer() - observing - (self.monitor.calibration_s - calibrated))
+            self.observe_total_s += observe_s
+            self._window_observe += observe_s
         self.drains += 1
         if queue:
             self.drains_cut += 1
@@ -233,7 +241,6 @@ class MonitorFeed:
         self.spent_total_s += elapsed
         self._debt = max(0.0, self._debt + elapsed - budget_s)
         self._window_done += done
-        self._window_busy += elapsed if done else 0.0
         self._window_budget += budget_s
         now = self._wall()
         if self._overflowed or now - self._window_start >= self.adapt_every_s:
@@ -300,14 +307,16 @@ class MonitorFeed:
     def _adapt(self, now: float) -> None:
         """Resize the subset so that arrivals fill 80 % of the budget; drop a backlog it cannot work off.
 
-        The cost per request-step is averaged over the last few windows, so a
-        recalibration (tens of ms, once in a while) is spread over the steps
-        around it rather than read as the price of every step.
+        The cost per request-step (:attr:`cost_s`) is averaged over the last
+        few windows and leaves calibrations out: a recalibration (tens of ms,
+        once in a while) does not grow with the subset, so it is paid from the
+        budget (the 20 % left over, the debt the next ticks pay back) rather
+        than read as the price of every step.
         """
-        self._busy_sum = 0.7 * self._busy_sum + self._window_busy
+        self._observe_sum = 0.7 * self._observe_sum + self._window_observe
         self._done_sum = 0.7 * self._done_sum + self._window_done
         if self._done_sum >= 50:
-            self.cost_s = self._busy_sum / self._done_sum
+            self.cost_s = self._observe_sum / self._done_sum
         if self.forward is not None:
             pass  # steps are forwarded whole each tick: the owner's reader bounds what its monitor is fed
         elif self.cost_s is None and self._overflowed:
@@ -330,7 +339,7 @@ class MonitorFeed:
         self._window_start = now
         self._overflowed = False
         self._window_added = self._window_done = 0
-        self._window_busy = self._window_budget = 0.0
+        self._window_observe = self._window_budget = 0.0
 
     def stats(self) -> dict[str, Any]:
         return {"sample_fraction": self.fraction, "buffered": self.buffered, "dropped": self.dropped,

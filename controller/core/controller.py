@@ -19,15 +19,16 @@ from typing import Callable
 
 from controller.config import ServerConfig
 from controller.core.classes import ClassTracker
-from controller.core.ingest import AcceptanceBatch, apply_step
+from controller.core.ingest import apply_step, fold_evidence
 from controller.core.outcomes import StateAcceptanceModels
 from controller.core.plans import PlanDesk
-from controller.core.state import LoadTracker, WorkerState
+from controller.core.state import EvidenceBuffer, LoadTracker, WorkerState
 from controller.models.acceptance import AcceptanceModel, AcceptancePrior
 from controller.models.cost import CostParams, StepCostModel
 from controller.protocol import (
     ACCEPTANCE_RULE_OF,
     MAX_BATCH_SIZE,
+    MAX_CONTEXT_LEN,
     Invalid,
     R,
     RequestRow,
@@ -79,6 +80,12 @@ class Controller:
         self.acceptance_by_state = StateAcceptanceModels(
             self.context_edges, a.half_life_s, a.max_evidence,
             AcceptancePrior(rank1_mean=a.prior_rank1_mean, strength=a.prior_strength))
+        # Acceptance evidence the models lack: one buffer per drafter version, and the workers
+        # that added to them since the last fold (fold_evidence).
+        self._evidence: dict[tuple[str, str], EvidenceBuffer] = {}
+        self._evidence_pending: list[WorkerState] = []
+        for model in (self.acceptance, self.acceptance_typical, *self.acceptance_by_state.models.values()):
+            model.fold_pending = self.fold_evidence
         self.plans = PlanDesk(self)
         self.workers: dict[str, WorkerState] = {}
         self.rejections: Counter = Counter()
@@ -147,6 +154,7 @@ class Controller:
         if previous is not None:
             state.counters.carry_from(previous.counters)
         state.accept_counts = self.accept_counts.setdefault((hello.worker_id, *state.drafter_key), {})
+        state.evidence = self._evidence.setdefault(state.drafter_key, EvidenceBuffer())
         self.workers[hello.worker_id] = state
         return state
 
@@ -212,8 +220,9 @@ class Controller:
         now = self.clock()
         rejections = []
         state.counters.steps_received += len(reports.steps)
-        batch, typical = AcceptanceBatch(), AcceptanceBatch()
-        by_state = self.acceptance_by_state.batches()
+        if state.evidence_since is None:  # its drafter version's buffer joins the next fold
+            state.evidence_since = now
+            self._evidence_pending.append(state)
         finished_ids = state.requests.finished_ids
         max_batch = state.hello.max_batch_size or MAX_BATCH_SIZE
         keep_requests = self.policy.wants_request_outcomes
@@ -224,17 +233,21 @@ class Controller:
             except Invalid as err:
                 rejections.append(self.reject(state, err))
                 continue
-            apply_step(state, step, rows, batch, typical, self.context_edges, keep_requests,
-                       self.config.max_active_requests, now, by_state)
+            apply_step(state, step, rows, self.context_edges, keep_requests, self.config.max_active_requests, now)
             for hook in self.on_step:
                 hook(state, step)
             for hook in self.on_step_rows:
                 hook(state, step, rows)
-        batch.apply(state, self.acceptance, now, state.accept_counts)
-        typical.apply(state, self.acceptance_typical, now, None)
-        self.acceptance_by_state.apply(state, by_state, now)
         self.tick_acceptance(now)
         return rejections
+
+    def fold_evidence(self) -> None:
+        """Fold the acceptance evidence buffered since the last fold into the models.
+        The models call it before each read and tick (``AcceptanceModel.fold_pending``)."""
+        pending = self._evidence_pending
+        if pending:
+            self._evidence_pending = []  # first: the fold reads the models, which call back here
+            fold_evidence(pending, self.acceptance, self.acceptance_typical, self.acceptance_by_state.models)
 
     def tick_acceptance(self, now: float) -> bool:
         """Decay both acceptance models if a second has passed since they last were; True if they were.
@@ -269,7 +282,10 @@ class Controller:
         owed = {}
         requests = state.requests
         if cost.catch_up_ms_per_token > 0:  # only a drafter that has caught up owes anything
-            owed = {rid: max(ctx - requests.drafted_through.get(rid, 0), 0) for rid, ctx in requests.active.items()}
+            # A drafter with a catch-up window runs only the newest ``window`` tokens it skipped.
+            window = limits.catch_up_window or MAX_CONTEXT_LEN
+            owed = {rid: min(max(ctx - requests.drafted_through.get(rid, 0), 0), window)
+                    for rid, ctx in requests.active.items()}
         return Observation(
             now=now,
             worker_id=state.worker_id,

@@ -4,9 +4,17 @@ A step feeds five things: the worker's cost model (what the forward
 computed and how long it took), its load (batch, context mix, tokens per
 step), its requests in flight, its traffic per request class
 (:mod:`controller.core.classes`) and the acceptance model of its drafter
-version. Acceptance evidence of a whole ``StepReports`` message is gathered
-in an :class:`AcceptanceBatch` and applied once, so a 64-step message costs
-one pass over the posteriors, not 64.
+version. Acceptance evidence is counted in the
+:class:`~controller.core.state.EvidenceBuffer` of the worker's drafter version
+(one dict update per request-step; every worker of the version shares it) and
+folded into the models by :func:`fold_evidence`: before anything reads the
+models (``AcceptanceModel.fold_pending``, so no plan nor status is built from
+stale evidence) and at each acceptance tick (so the decay never runs over
+unfolded evidence). Between two folds the models lack the buffered
+request-steps (at most a tick, 1 s, of them while steps arrive), and no
+reader sees that. The counts of every message and worker since the last fold
+reach a posterior cell once. ``accept_counts`` (the strict rule's (bucket,
+depth, τ) counts per worker) is counted per request-step, never buffered.
 
 Acceptance rules: a request-step verified with the typical rule
 (``ACCEPTANCE_RULE_TYPICAL``) accepts more than the strict rule would, so its
@@ -22,7 +30,7 @@ accept, resting, default), kept per active request in
 the state, and how long a resting request has rested).
 A strict request-step's acceptance evidence goes to the pooled strict model
 exactly as without states and, in addition, to its state's model
-(``by_state``: one :class:`AcceptanceBatch` per state, the default state's
+(the buffer's sink is the state; one model per state, the default state's
 too, the same strata and drafter key; :mod:`controller.core.outcomes`);
 ``accept_counts`` and everything else see nothing new. Every request-step counts towards its
 state's share of the load (``LoadTracker.state_counts``).
@@ -31,10 +39,11 @@ state's share of the load (``LoadTracker.state_counts``).
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
-from controller.core.state import WorkerState
-from controller.models.acceptance import AcceptanceModel, offer_slots
+from controller.core.classes import ClassStats
+from controller.core.state import SINKS, TYPICAL_SINK, EvidenceBuffer, WorkerState
+from controller.models.acceptance import AcceptanceModel, DrafterKey, offer_slots
 from controller.protocol import TYPICAL, RequestRow
 from policies.base import RequestOutcome, StepOutcome
 from policies.outcome import AFTER_HIT, AFTER_MISS, DEFAULT, REST_STEPS, RESTING, STATE_MASK, pack_state
@@ -44,47 +53,107 @@ from protos.speculation.v1 import worker_pb2
 REST_1 = pack_state(RESTING, 1)
 REST_STEP = pack_state(RESTING, 2) - REST_1
 REST_LAST = pack_state(RESTING, REST_STEPS)
+VIOLATION = -2  # the sink of a request-step whose acceptance is not used (typical rule, strict class)
 
 
-@dataclass
-class AcceptanceBatch:
-    """Acceptance evidence of one message, applied in bulk."""
+def fold_evidence(states: Iterable[WorkerState], pooled: AcceptanceModel, typical: AcceptanceModel,
+                  by_state: Mapping[int, AcceptanceModel]) -> None:
+    """Fold the evidence buffered by ``states`` (their drafter versions'
+    :class:`~controller.core.state.EvidenceBuffer`) into the models, and empty
+    the buffers: a strict sink into ``pooled`` and ``by_state[sink]`` (when
+    held), :data:`~controller.core.state.TYPICAL_SINK` into ``typical``.
+    ``states``: the workers that ingested since the last fold, each with its
+    ``evidence_since``.
 
-    chains: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (bucket, depth, τ) -> request-steps
-    # (bucket, level, rank) -> [asked, offered]
-    offers: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)
-    # Tree outcomes (accepted_rank given): (bucket, ranks, candidates), and their (bucket, depth, τ) counts.
-    trees: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
-    tree_counts: dict[tuple[int, int, int], int] = field(default_factory=dict)
-
-    def apply(self, state: WorkerState, acceptance: AcceptanceModel, now: float, tally: dict | None) -> None:
-        """Into ``acceptance``'s strata of the worker's drafter; (bucket, depth,
-        τ) counts also into ``tally`` (``state.accept_counts`` for the strict
-        rule's batch; None for the typical one's)."""
-        if not self.chains and not self.offers and not self.trees:
-            return
+    A stratum made here starts at the clock of the ingest that first buffered
+    evidence for it (``EvidenceBuffer.first``), as one that ingest made did.
+    One difference from folding every message: when the workers of one
+    drafter version have different drafter limits, a wider one widens the
+    version's strata (a widened stratum starts empty) at its first ingest
+    since the last fold, and the evidence the others buffered before it is
+    kept, where folding every message dropped it.
+    """
+    # Buffer id -> (drafter key, buffer, {(max_depth, max_width): clock of the first ingest of a
+    # worker with those limits since the last fold}).
+    buffers: dict[int, tuple[DrafterKey, EvidenceBuffer, dict]] = {}
+    for state in states:  # in the order of their first ingest since the last fold
+        since, state.evidence_since = state.evidence_since, None
+        if since is None:
+            continue
         limits = state.limits
-        posteriors = acceptance.strata(state.drafter_key, limits.max_depth, limits.max_width, now)
-        for bucket, ranks, cands in self.trees:
-            posteriors[bucket].observe(ranks, cands)
-        for key, count in self.chains.items():
-            bucket, depth, accepted = key
-            posteriors[bucket].observe_chain(depth, accepted, count)
-        for (bucket, level, rank), (asked, offered) in self.offers.items():
-            posteriors[bucket].observe_offers(asked, offered, level, rank)
-        if tally is not None:
-            for counts in (self.chains, self.tree_counts):
-                for key, count in counts.items():
-                    tally[key] = tally.get(key, 0) + count
+        held = buffers.get(id(state.evidence))
+        if held is None:
+            held = buffers[id(state.evidence)] = (state.drafter_key, state.evidence, {})
+        held[2].setdefault((limits.max_depth, limits.max_width), since)
+    for key, evidence, shapes in buffers.values():
+        first = evidence.first
+        if not first:
+            continue
+        # Make or widen its strata as its ingests did: each model's at the first evidence for it.
+        strict = [at for sink, at in first.items() if sink != TYPICAL_SINK]
+        made = [(typical, first[TYPICAL_SINK])] if TYPICAL_SINK in first else []
+        if strict:
+            made.append((pooled, min(strict)))
+        made.extend((by_state[sink], at) for sink, at in first.items() if sink in by_state)
+        for model, at in made:
+            for (depth, width), since in shapes.items():
+                model.strata(key, depth, width, max(since, at))
+        _observe(evidence, pooled.peek(key), typical.peek(key), {s: m.peek(key) for s, m in by_state.items()})
+        evidence.clear()
 
 
-def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[RequestRow], batch: AcceptanceBatch,
-               typical: AcceptanceBatch, context_edges: tuple[int, ...], keep_requests: bool, max_active: int,
-               now: float, by_state: list[AcceptanceBatch | None] | None = None) -> None:
-    """Fold one validated step into ``state``: acceptance evidence into
-    ``batch`` (strict rule) or ``typical`` (typical rule, relaxed classes);
-    a strict request-step's also into ``by_state[s]``, ``s`` its request
-    state (when given and not None; indexed by :data:`policies.outcome.STATES`)."""
+def _observe(evidence: EvidenceBuffer, pooled: list | None, typical: list | None,
+             by_state: dict[int, list | None]) -> None:
+    """One version's buffered evidence into its posteriors (lists per context bucket; None: not held),
+    trees, chains, then offers, as a message's evidence went; the pooled model gets every strict sink's."""
+    chains: dict[tuple, int] = {}  # strict sinks summed: the pooled model's
+    offers: dict[tuple, list[int]] = {}
+    for sink in range(SINKS):
+        strict = sink != SINKS - 1  # TYPICAL_SINK is the last index
+        target = by_state.get(sink) if strict else typical
+        for bucket, ranks, cands in evidence.trees[sink]:
+            if target is not None:
+                target[bucket].observe(ranks, cands)
+            if strict and pooled is not None:
+                pooled[bucket].observe(ranks, cands)
+        for key, count in evidence.chains[sink].items():
+            if target is not None:
+                target[key[0]].observe_chain(key[1], key[2], count)
+            if strict:
+                chains[key] = chains.get(key, 0) + count
+        for key, (asked, offered) in evidence.offers[sink].items():
+            if target is not None:
+                target[key[0]].observe_offers(asked, offered, key[1], key[2])
+            if strict:
+                total = offers.get(key)
+                if total is None:
+                    offers[key] = [asked, offered]
+                else:
+                    total[0] += asked
+                    total[1] += offered
+    if pooled is not None:
+        for (bucket, depth, accepted), count in chains.items():
+            pooled[bucket].observe_chain(depth, accepted, count)
+        for (bucket, level, rank), (asked, offered) in offers.items():
+            pooled[bucket].observe_offers(asked, offered, level, rank)
+
+
+def _add_class_run(cs: ClassStats, rows: int, tokens: int, drafted: int, step_ms: float) -> None:
+    """A run of ``rows`` request-steps of one class in one step: ``tokens`` emitted, ``drafted`` of
+    them drafted (τ is 0 without a draft, so the accepted tokens are ``tokens - rows``)."""
+    cs.steps += rows
+    cs.tokens += tokens
+    cs.step_ms += step_ms * rows  # every request of the step waits for all of it
+    cs.drafted += drafted
+    cs.accepted += tokens - rows
+
+
+def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[RequestRow],
+               context_edges: tuple[int, ...], keep_requests: bool, max_active: int, now: float) -> None:
+    """Fold one validated step into ``state``; its acceptance evidence goes to
+    ``state.evidence`` (:func:`fold_evidence` takes it to the models): a
+    strict request-step's under its request state, a typical one's (relaxed
+    classes) under :data:`~controller.core.state.TYPICAL_SINK`."""
     load, requests = state.load, state.requests
     counts, sums = load.context_counts, load.context_sums
     state_counts = load.state_counts
@@ -92,10 +161,17 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
     last_outcome = requests.last_outcome
     resolve = state.classes.resolve
     counters = state.counters
+    evidence = state.evidence
+    chains_by_sink, offers_by_sink, trees_by_sink = evidence.chains, evidence.offers, evidence.trees
+    first = evidence.first
+    accept_counts = state.accept_counts
     outcomes = []
     unreported = step.batch_size - len(rows)  # requests not reported decode one token each
     batch_tokens = tokens = unreported
-    kv_tokens = max_depth = total_nodes = level_kv = attn_pairs = caught_up = 0
+    kv_tokens = max_depth = total_nodes = level_kv = attn_pairs = caught_up = drafted = 0
+    # The current run of rows of one class (see below); no row has the name None.
+    run_name = run_class = None
+    run_unknown, run_rows, run_tokens, run_drafted = False, 0, 0, 0
     draft_ms, verify_ms, size = step.draft_ms, step.verify_ms, step.batch_size
     catch_up_ms = step.catch_up_ms
     step_ms = draft_ms + verify_ms + catch_up_ms  # every request of the step waits for all of it
@@ -109,32 +185,36 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
         kv_tokens += ctx
         attn_pairs += (1 + nodes) * ctx
         total_nodes += nodes
-        tokens += 1 + accepted
         c = bisect_right(context_edges, ctx) - 1  # edges start at 0, so c >= 0
         counts[c] += 1.0
         sums[c] += ctx
-        # Its class: load, step means and its TPOT so far.
-        cs = resolve.get(name)
-        if cs is None:
-            cs = state.classes.unknown(name)
-            counters.unknown_class_request_steps += 1
-        cs.steps += 1.0
-        cs.tokens += 1 + accepted
-        cs.step_ms += step_ms
-        cs.ctx_counts[c] += 1.0
-        cs.ctx_sums[c] += ctx
-        if depth:
-            cs.drafted += 1.0
-            cs.accepted += accepted
-        latency = cs.requests.get(rid)
+        # Its class: load, step means and its TPOT so far. The rows of a step mostly share one class:
+        # its sums are added once per run of rows of the same class (from the step's own totals).
+        if name != run_name:
+            if run_class is not None:
+                _add_class_run(run_class, run_rows, tokens - run_tokens, drafted - run_drafted, step_ms)
+                if run_unknown:
+                    counters.unknown_class_request_steps += run_rows
+            run_name, run_rows, run_tokens, run_drafted = name, 0, tokens, drafted
+            cs = resolve.get(name)
+            run_unknown = cs is None
+            if run_unknown:
+                cs = state.classes.unknown(name)
+            run_class, class_name, ctx_counts, ctx_sums, class_requests = (cs, cs.name, cs.ctx_counts, cs.ctx_sums,
+                                                                           cs.requests)
+        run_rows += 1
+        tokens += 1 + accepted  # after the run's start: the run's tokens are a difference of this sum
+        ctx_counts[c] += 1.0
+        ctx_sums[c] += ctx
+        latency = class_requests.get(rid)
         if latency is None:
             cs.admit(rid, now)
-            latency = cs.requests[rid]
+            latency = class_requests[rid]
         latency[0] += step_ms
         latency[1] += 1 + accepted
         latency[2] = now
         latency[3] += 1
-        request_class[rid] = cs.name
+        request_class[rid] = class_name
         # Its request state: what its previous steps left it in, packed (pack_state).
         code = last_outcome.get(rid, DEFAULT)
         outcome = code & STATE_MASK
@@ -144,51 +224,67 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
         last_outcome[rid] = ((AFTER_MISS if not accepted else AFTER_HIT if accepted >= depth else DEFAULT) if depth
                              else REST_1 if outcome == AFTER_MISS
                              else code + REST_STEP if outcome == RESTING and code < REST_LAST else DEFAULT)
-        # Its acceptance: the strict model, the typical one, or (a violation) neither;
-        # a strict step's also its state's model.
-        extra = by_state[outcome] if by_state is not None else None
-        sinks = (batch,) if extra is None else (batch, extra)
+        # Its acceptance evidence, buffered under its sink: its request state (the strict rule),
+        # the typical model, or (a violation) none.
+        sink = outcome
         if rule == TYPICAL:
             cs.typical += 1.0
             if cs.relaxed:
-                sinks = (typical,)
+                sink = TYPICAL_SINK
                 counters.typical_request_steps += 1
             else:
-                sinks = ()
+                sink = VIOLATION
                 counters.typical_violations += 1
-        if sinks and (requested or depth):
-            slots = (offer_slots(depth, accepted, nodes, ranks, cands, requested, requested_width, requested_nodes)
-                     if requested and requested_width * requested > 1 else ())  # slots past a draft at all
-            key = (c, depth, accepted)
-            for sink in sinks:
-                if requested:
-                    offers = sink.offers
-                    tally = offers.get((c, 0, 0))
-                    if tally is None:
-                        tally = offers[(c, 0, 0)] = [0, 0]
-                    tally[0] += 1
-                    tally[1] += depth > 0
-                    for level, rank, offered in slots:
+        if sink != VIOLATION and (requested or depth):
+            if requested:
+                offers = offers_by_sink[sink]
+                key = (c, 0, 0)
+                tally = offers.get(key)
+                if tally is None:
+                    tally = offers[key] = [0, 0]
+                    if sink not in first:
+                        first[sink] = now
+                tally[0] += 1
+                tally[1] += depth > 0
+                if requested_width * requested > 1:  # slots past a draft at all
+                    for level, rank, offered in offer_slots(depth, accepted, nodes, ranks, cands, requested,
+                                                            requested_width, requested_nodes):
                         tally = offers.setdefault((c, level, rank), [0, 0])
                         tally[0] += 1
                         tally[1] += offered
-                if depth:
-                    if ranks is None:
-                        chains = sink.chains
-                        chains[key] = chains.get(key, 0) + 1
+            if depth:
+                key = (c, depth, accepted)
+                if ranks is None:
+                    chains = chains_by_sink[sink]
+                    count = chains.get(key)
+                    if count is None:
+                        chains[key] = 1
+                        if sink not in first:
+                            first[sink] = now
                     else:
-                        sink.trees.append((c, ranks, cands))
-                        trees = sink.tree_counts
-                        trees[key] = trees.get(key, 0) + 1
+                        chains[key] = count + 1
+                else:
+                    trees_by_sink[sink].append((c, ranks, cands))
+                    if sink not in first:
+                        first[sink] = now
+                if sink != TYPICAL_SINK:  # the strict rule's per-position counts (status page, metrics)
+                    accept_counts[key] = accept_counts.get(key, 0) + 1
         if depth:
+            drafted += 1
             level_kv += depth * ctx
             if depth > max_depth:
                 max_depth = depth
-        if rid in active:
+        try:
             active.move_to_end(rid)
+        except KeyError:  # a new request (rare): it goes in at the end
+            pass
         active[rid] = ctx
         if keep_requests:
             outcomes.append(RequestOutcome(rid, ctx, depth, width, nodes, accepted, name))
+    if run_class is not None:
+        _add_class_run(run_class, run_rows, tokens - run_tokens, drafted - run_drafted, step_ms)
+        if run_unknown:
+            counters.unknown_class_request_steps += run_rows
     while len(active) > max_active:
         gone = active.popitem(last=False)[0]
         drafted_through.pop(gone, None)

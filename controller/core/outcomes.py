@@ -5,8 +5,9 @@ One :class:`~controller.models.acceptance.AcceptanceModel` per state (the
 default state, after a miss, after a full accept, resting), each with the
 pooled strict model's settings (context buckets, half-life, evidence cap,
 prior) and the same strata (drafter kind and version, context bucket).
-:func:`controller.core.ingest.apply_step` hands every strict request-step's
-evidence to the pooled model as before and also to its state's model; the
+:func:`controller.core.ingest.apply_step` buffers every strict request-step's
+evidence under its state, and :func:`controller.core.ingest.fold_evidence`
+hands it to the pooled model as before and also to its state's model; the
 pooled model, drift detection and ``accept_counts`` do not change. The
 policy reads them as ``Observation.acceptance_by_state``. The default
 state's model plans the table a tracking worker gives its default-state
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from controller.core.ingest import AcceptanceBatch
 from controller.core.state import WorkerState
 from controller.models.acceptance import AcceptanceModel, AcceptancePrior, AcceptanceView
 from policies.outcome import STATES
@@ -43,16 +43,6 @@ class StateAcceptanceModels:
                  prior: AcceptancePrior) -> None:
         self.models = {s: AcceptanceModel(context_edges, half_life_s=half_life_s, max_evidence=max_evidence,
                                           prior=prior) for s in STATES}
-
-    def batches(self) -> list[AcceptanceBatch | None]:
-        """``apply_step``'s ``by_state``: an empty evidence batch per state, indexed by state."""
-        return [AcceptanceBatch() if s in self.models else None for s in STATES]
-
-    def apply(self, state: WorkerState, batches: Sequence[AcceptanceBatch | None], now: float) -> None:
-        """Fold one message's per-state evidence into the models (no ``accept_counts`` tally)."""
-        for s, model in self.models.items():
-            if batches[s] is not None:
-                batches[s].apply(state, model, now, None)
 
     def tick(self, now: float) -> None:
         for model in self.models.values():

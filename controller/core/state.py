@@ -224,6 +224,44 @@ class Counters:
             setattr(self, f.name, getattr(previous, f.name))
 
 
+TYPICAL_SINK = -1  # EvidenceBuffer's sink of the typical rule's evidence: the last (strict ones are request states)
+SINKS = len(STATES) + 1
+
+
+class EvidenceBuffer:
+    """Acceptance evidence of one drafter version not yet folded into the acceptance models.
+
+    Every worker of the version adds to the same buffer (``WorkerState.evidence``):
+    :func:`controller.core.ingest.apply_step` one dict update per request-step,
+    :func:`controller.core.ingest.fold_evidence` once per fold, before any read of
+    the models and at each acceptance tick (``Controller.fold_evidence``). A
+    posterior cell is then added to once per fold, whatever the messages and
+    workers behind it, not once per message and worker.
+
+    Evidence is kept per *sink*, an index into each list: a request state
+    (:data:`policies.outcome.STATES`; strict rule: the pooled model and that
+    state's model) or :data:`TYPICAL_SINK` (the typical model).
+    """
+
+    __slots__ = ("chains", "offers", "trees", "first")
+
+    def __init__(self) -> None:
+        self.chains: list[dict] = [{} for _ in range(SINKS)]  # (context bucket, depth, τ) -> request-steps
+        self.offers: list[dict] = [{} for _ in range(SINKS)]  # (context bucket, level, rank) -> [asked, offered]
+        self.trees: list[list] = [[] for _ in range(SINKS)]  # (context bucket, accepted_rank, level_candidates)
+        # Sink -> clock of the ingest that first buffered evidence for it: a stratum the
+        # fold makes starts then, as one made by that ingest did.
+        self.first: dict[int, float] = {}
+
+    def clear(self) -> None:
+        """Empty it in place (the workers of the version hold it)."""
+        for sink in range(SINKS):
+            self.chains[sink].clear()
+            self.offers[sink].clear()
+            self.trees[sink].clear()
+        self.first.clear()
+
+
 @dataclass
 class WorkerState:
     """Everything the controller knows about one worker."""
@@ -241,6 +279,10 @@ class WorkerState:
     # (context bucket, depth, τ) -> request-steps of this worker's drafter version
     # (shared with Controller.accept_counts, so a version keeps its counts).
     accept_counts: dict = field(default_factory=dict)
+    # Its drafter version's acceptance evidence not folded into the models yet (shared by the
+    # version's workers: Controller), and the clock of its first ingest since the last fold.
+    evidence: EvidenceBuffer = field(default_factory=EvidenceBuffer)
+    evidence_since: float | None = None
 
     @property
     def worker_id(self) -> str:

@@ -112,6 +112,11 @@ class AcceptanceDriftMonitor:
         :class:`MonitorConfig` (defaults when ``None``).
     clock
         Time source for steps that carry no timestamp.
+    cpu_clock
+        The clock :attr:`calibration_s` is measured on: the thread's CPU time, the clock the feed's budget
+        (:class:`controller.alerts.alerting.MonitorFeed`) is measured on too, so a calibration is taken out
+        of the feed's cost per request-step in the same seconds it was charged in. A test injects a clock
+        that advances only by the work charged to it.
     **overrides
         Fields of :class:`MonitorConfig` to override.
 
@@ -163,7 +168,7 @@ class AcceptanceDriftMonitor:
     """
 
     def __init__(self, config: MonitorConfig | None = None, clock: Callable[[], float] = time.time,
-                 **overrides: Any) -> None:
+                 cpu_clock: Callable[[], float] = time.thread_time, **overrides: Any) -> None:
         config = config or MonitorConfig()
         if overrides:
             unknown = set(overrides) - set(MonitorConfig.__dataclass_fields__)
@@ -172,6 +177,7 @@ class AcceptanceDriftMonitor:
             config = MonitorConfig(**{**asdict(config), **overrides})
         self.config = config
         self.clock = clock
+        self.cpu_clock = cpu_clock
         self._versions: OrderedDict[tuple[str, str], Version] = OrderedDict()
         self._workers: dict[str, tuple[str, str]] = {}
         self._pending: list[PendingTest] = []
@@ -270,9 +276,9 @@ class AcceptanceDriftMonitor:
             self._window_done(s, now)
         if v.dirty and (not any(v.cusums) or v.steps - v.calibrated_at >= self.config.window):
             # at most once per window of the version's steps: completions batch up
-            started = time.thread_time()
+            started = self.cpu_clock()
             v.calibrate(self.config, self.ert_cusum)
-            self.calibration_s += time.thread_time() - started
+            self.calibration_s += self.cpu_clock() - started
 
     # ---------------------------------------------------------------- alarms
     def _cusum_alarm(self, v: Version, j: int, now: float) -> None:

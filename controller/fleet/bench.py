@@ -99,7 +99,7 @@ def bench_acceptance_sync(url: str, *, replicas: int = 2, versions: int = 4,
         redis_cpu0 = _redis_cpu_s(stores[0])
         merge_wall, merge_cpu, loop_cpu, tick_extra = [], [], [], []
         steps = 0
-        # Spread requests over strata and chain lengths as a message's AcceptanceBatch would.
+        # Spread requests over strata and chain lengths as a fold of the evidence buffer would (controller.core.ingest.fold_evidence).
         strata = versions * len(context_edges)
         for second in range(seconds):
             now = float(second)

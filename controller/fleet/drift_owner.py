@@ -853,7 +853,9 @@ class CapacityEstimate:
     how many. Observing costs every admitted outcome, forwarding this replica's share, and the rest
     (calibrations, callbacks, shedding) is a fixed overhead: the fraction scales the first two only. Each
     term is an exponentially weighted rate with time constant ``horizon_s``, so one window spent paying
-    back a calibration does not read as "no capacity".
+    back a calibration does not read as "no capacity". The price of a request-step is the one
+    ``MonitorFeed.cost_s`` is too (the feed's observing seconds over the steps observed, calibrations left
+    out), smoothed here over time rather than over the feed's resizing windows.
 
     >>> c = CapacityEstimate(horizon_s=10.0)
     >>> c.scale(1000.0, 0.8) is None

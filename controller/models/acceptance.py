@@ -54,7 +54,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -571,6 +571,10 @@ class AcceptanceModel:
         self.max_versions = max_versions
         self._strata: OrderedDict[DrafterKey, list[StratumPosterior]] = OrderedDict()
         self.shared = False  # True: every posterior keeps a ShareLedger (share_with_fleet)
+        # Called before every read of the posteriors and every tick: folds evidence buffered elsewhere
+        # (the controller's, controller.core.ingest.fold_evidence), so no read sees the model without it.
+        # It may call back into this model (strata, peek): it must empty its buffer first.
+        self.fold_pending: Callable[[], None] | None = None
 
     def share_with_fleet(self) -> None:
         """Give every posterior, now and later, a :class:`ShareLedger`, so
@@ -579,6 +583,8 @@ class AcceptanceModel:
         a delta (a replica joining with history would add it to a fleet that
         may already hold it): the first install of a stratum replaces it by
         the fleet's totals, or it seeds a fleet store that has none."""
+        if self.fold_pending is not None:  # evidence ingested before sharing is not a delta either
+            self.fold_pending()
         self.shared = True
         for buckets in self._strata.values():
             for posterior in buckets:
@@ -587,10 +593,14 @@ class AcceptanceModel:
 
     def items(self) -> tuple[tuple[DrafterKey, list[StratumPosterior]], ...]:
         """Every drafter version's posteriors, without touching the LRU order."""
+        if self.fold_pending is not None:
+            self.fold_pending()
         return tuple(self._strata.items())
 
     def peek(self, key: DrafterKey) -> list[StratumPosterior] | None:
         """A version's posteriors if held, without creating or refreshing them."""
+        if self.fold_pending is not None:
+            self.fold_pending()
         return self._strata.get(key)
 
     def context_bucket(self, context_len: int) -> int:
@@ -598,6 +608,8 @@ class AcceptanceModel:
 
     def strata(self, key: DrafterKey, max_depth: int, max_width: int,
                now: float | None = None) -> list[StratumPosterior]:
+        if self.fold_pending is not None:
+            self.fold_pending()
         buckets = self._strata.get(key)
         if buckets is None or buckets[0].max_depth < max_depth or buckets[0].max_width < max_width:
             depth = max(max_depth, buckets[0].max_depth if buckets else 0)
@@ -629,6 +641,8 @@ class AcceptanceModel:
 
     def tick(self, now: float) -> None:
         """Apply forgetting to every stratum (call every second or so)."""
+        if self.fold_pending is not None:
+            self.fold_pending()
         for buckets in self._strata.values():
             for posterior in buckets:
                 posterior.decay(now, self.half_life_s, self.max_evidence)
@@ -637,6 +651,8 @@ class AcceptanceModel:
         return AcceptanceView(self.context_edges, self.strata(key, max_depth, max_width), max_depth, max_width)
 
     def keys(self) -> Iterable[DrafterKey]:
+        if self.fold_pending is not None:
+            self.fold_pending()
         return tuple(self._strata.keys())
 
 

@@ -37,7 +37,7 @@ from controller.core.controller import STATUS_SLICE_S
 from controller.observe.metrics import acceptance_by_position, bucket_labels, mean_context_len, reason_label
 from policies.base import Observation
 from policies.goodput import observed_mix, table_goodput
-from policies.outcome import FIRST_STATES, STATE_NAMES
+from policies.outcome import STATE_NAMES, split_first_states
 from protos.speculation.v1 import controller_pb2
 
 if TYPE_CHECKING:
@@ -366,6 +366,9 @@ class StatusHistory:
         if state.plans.in_force is not None:  # what the worker acknowledged, not a plan merely sent
             draft = state.plans.in_force
             table = draft.table
+            # Per request state, split as the Plan message splits them (controller.protocol.plan_to_proto):
+            # the states every tracking worker knows, and those added since (RESTING, OTHER).
+            first, later = split_first_states(sorted(draft.state_tables.items()), lambda item: item[0])
             out["plan"] = {
                 "batch_edges": list(table.batch_edges),
                 "context_edges": list(table.context_edges),
@@ -373,12 +376,8 @@ class StatusHistory:
                 "context_labels": bucket_labels(table.context_edges),
                 **_cells(table),
                 "expected_goodput_tok_s": draft.expected_goodput_tok_s,
-                # Per request state, split as the Plan message splits them (controller.protocol.plan_to_proto):
-                # the states every tracking worker knows, and those added since (RESTING, OTHER).
-                "state_tables": [_state_table(s, t) for s, t in sorted(draft.state_tables.items())
-                                 if s in FIRST_STATES],
-                "later_state_tables": [_state_table(s, t) for s, t in sorted(draft.state_tables.items())
-                                       if s not in FIRST_STATES],
+                "state_tables": [_state_table(s, t) for s, t in first],
+                "later_state_tables": [_state_table(s, t) for s, t in later],
             }
         out["history"] = (history or WorkerHistory(0)).to_dict()
         return out

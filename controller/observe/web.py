@@ -106,21 +106,30 @@ def _cell_text(depth: int, width: int) -> str:
 
 
 # ------------------------------------------------------------------ charts
+def _decision_heatmap(worker: dict[str, Any], title: str, chart_id: str, depth: Sequence[Sequence[int]],
+                      width: Sequence[Sequence[int]], legend: Sequence[tuple[str, str]] = ()) -> str:
+    """One decision table of the worker's plan in force (``depth``, ``width``: its cells by
+    batch row and context column) as a heat-map coloured by depth, the worker's current load
+    outlined."""
+    plan = worker["plan"]
+    highlight = (bucket_index(plan["batch_edges"], round(worker["mean_batch_size"])),
+                 bucket_index(plan["context_edges"], int(worker["mean_context_len"])))
+    texts = [[_cell_text(d, w) for d, w in zip(drow, wrow)] for drow, wrow in zip(depth, width)]
+    return heatmap(title, chart_id, [str(b) for b in plan["batch_edges"]],
+                   [_short(c) for c in plan["context_edges"]], depth, texts, _depth_color,
+                   x_label="context length (bucket from)", y_label="batch size (bucket from)", highlight=highlight,
+                   legend=legend, width=400, height=320)
+
+
 def plan_heatmap(worker: dict[str, Any]) -> str:
     wid = worker["worker_id"]
     plan = worker["plan"]
     title = f"Plan v{worker['acked_plan_version']} in force: draft depth×width"
     if plan is None:
         return heatmap(title, f"plan-{wid}", [], [], [], [], _depth_color, width=400, height=320)
-    highlight = (bucket_index(plan["batch_edges"], round(worker["mean_batch_size"])),
-                 bucket_index(plan["context_edges"], int(worker["mean_context_len"])))
-    texts = [[_cell_text(d, w) for d, w in zip(drow, wrow)] for drow, wrow in zip(plan["depth"], plan["width"])]
     deepest = max(max(row) for row in plan["depth"])
     legend = [("off", DEPTH_COLORS[0])] + [(f"d{d}", _depth_color(d)) for d in range(1, max(deepest, 1) + 1)]
-    return heatmap(title, f"plan-{wid}", [str(b) for b in plan["batch_edges"]],
-                   [_short(c) for c in plan["context_edges"]], plan["depth"], texts, _depth_color,
-                   x_label="context length (bucket from)", y_label="batch size (bucket from)", highlight=highlight,
-                   legend=legend, width=400, height=320)
+    return _decision_heatmap(worker, title, f"plan-{wid}", plan["depth"], plan["width"], legend)
 
 
 def state_heatmaps(worker: dict[str, Any]) -> list[str]:
@@ -129,18 +138,9 @@ def state_heatmaps(worker: dict[str, Any]) -> list[str]:
     plan, wid = worker["plan"], worker["worker_id"]
     if plan is None:
         return []
-    highlight = (bucket_index(plan["batch_edges"], round(worker["mean_batch_size"])),
-                 bucket_index(plan["context_edges"], int(worker["mean_context_len"])))
-    out = []
-    for field in ("state_tables", "later_state_tables"):
-        for st in plan.get(field) or []:
-            texts = [[_cell_text(d, w) for d, w in zip(drow, wrow)] for drow, wrow in zip(st["depth"], st["width"])]
-            out.append(heatmap(f"Request state {st['name']} ({field}): draft depth×width",
-                               f"state-{st['name']}-{wid}", [str(b) for b in plan["batch_edges"]],
-                               [_short(c) for c in plan["context_edges"]], st["depth"], texts, _depth_color,
-                               x_label="context length (bucket from)", y_label="batch size (bucket from)",
-                               highlight=highlight, width=400, height=320))
-    return out
+    return [_decision_heatmap(worker, f"Request state {st['name']} ({field}): draft depth×width",
+                              f"state-{st['name']}-{wid}", st["depth"], st["width"])
+            for field in ("state_tables", "later_state_tables") for st in plan.get(field) or []]
 
 
 def _events_for(worker: dict[str, Any], snapshot: dict[str, Any]) -> tuple[list[Marker], list[Span]]:

@@ -70,6 +70,9 @@ class WorkerOptions:
     max_depth: int = 6
     max_width: int = 4
     max_tree_nodes: int = 24
+    # EAGLE: a request switched on catches up on at most this many of the tokens it skipped
+    # (0 = all; see EagleDrafter.catch_up_window: it trades acceptance for a bounded switch-on).
+    catch_up_window: int = 0
     # Seconds between checks of the heads directory for a new version (0 = never):
     # a retraining job writes new heads there and the worker rolls to them.
     heads_poll_s: float = 0.0
@@ -102,10 +105,13 @@ def parse_static(text: str, default: Decision) -> Decision:
 
 
 def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_depth: int = 6,
-                  max_width: int = 4, max_tree_nodes: int = 24, log_fn=print):
+                  max_width: int = 4, max_tree_nodes: int = 24, log_fn=print, catch_up_window: int = 0):
     """A drafter by name; trained heads come from ``heads_dir`` or the
     on-first-use cache (``worker.reference.heads.ensure_heads``). On a target with tuned
-    kernels, the heads' layers are tuned too."""
+    kernels, the heads' layers are tuned too. ``catch_up_window`` (EAGLE only; 0 = all):
+    the most skipped tokens a switch-on catches up on."""
+    if catch_up_window < 0:
+        raise ValueError(f"catch_up_window must be >= 0 tokens (0 = all), got {catch_up_window}")
     if kind in ("none", "", None):
         return None
     if kind == "ngram":
@@ -128,7 +134,7 @@ def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_
             from worker.reference.drafters.eagle import EagleDrafter
 
             drafter = EagleDrafter(bundle, model, max_depth=max_depth, max_width=max_width,
-                                   max_tree_nodes=max_tree_nodes)
+                                   max_tree_nodes=max_tree_nodes, catch_up_window=catch_up_window or None)
         # Tuned kernels for the heads too, lossy ones allowed: the target verifies what they propose.
         if is_tuned(model):
             tune_model(drafter.layers, allow_lossy=True, rows=DRAFT_ROW_GRID, log=log_fn)
@@ -160,7 +166,8 @@ def make_hello(worker_id: str, model_name: str, model, drafter, max_batch: int,
         lim = drafter.limits
         hello.drafter.CopyFrom(worker_pb2.Drafter(
             kind=DRAFTER_KINDS[drafter.kind], version=drafter.version, max_depth=lim.max_depth,
-            max_width=lim.max_width, max_tree_nodes=lim.max_tree_nodes, trained_context_len=lim.trained_context_len))
+            max_width=lim.max_width, max_tree_nodes=lim.max_tree_nodes, trained_context_len=lim.trained_context_len,
+            catch_up_window=lim.catch_up_window))
     else:  # plain decoding: the controller still sees steps (depth 0 everywhere)
         hello.drafter.CopyFrom(worker_pb2.Drafter(kind=worker_pb2.DRAFTER_KIND_NGRAM, version="none", max_depth=1,
                                                   max_width=1, max_tree_nodes=1))
@@ -283,7 +290,8 @@ class ReferenceWorker:
             return
         try:
             new = build_drafter(old.kind, self.model, self.opts.heads, self.model_name, self.opts.max_depth,
-                                self.opts.max_width, self.opts.max_tree_nodes, log_fn=log.info)
+                                self.opts.max_width, self.opts.max_tree_nodes, log_fn=log.info,
+                                catch_up_window=self.opts.catch_up_window)
         except (OSError, ValueError, RuntimeError) as err:  # a half-copied directory: try at the next poll
             log.warning("cannot load new %s heads from %s: %s", old.kind, self.opts.heads, err)
             return
@@ -418,7 +426,7 @@ def load_worker(opts: WorkerOptions, log_fn=print) -> ReferenceWorker:
     for p in lm.model.parameters():
         p.requires_grad_(False)
     drafter = build_drafter(opts.drafter, lm.model, opts.heads, opts.model, opts.max_depth, opts.max_width,
-                            opts.max_tree_nodes, log_fn=log_fn)
+                            opts.max_tree_nodes, log_fn=log_fn, catch_up_window=opts.catch_up_window)
     return ReferenceWorker(lm.model, lm.tokenizer, drafter, opts.model, opts)
 
 

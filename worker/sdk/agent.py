@@ -19,7 +19,7 @@ Request states (issue #28, :mod:`policies.outcome`): while the plan in force
 has state tables (``Plan.state_tables``, ``Plan.later_state_tables``),
 ``observe`` also keeps each request's state (after a miss, after a full
 accept, resting after a miss for up to 8 plain steps; any other plain step
-resets it) in bounded dicts that ``finish`` empties, and ``decide`` picks the
+resets it) in a bounded dict that ``finish`` empties, and ``decide`` picks the
 state's table: one more dict lookup (a default-state request reads the
 plan's ``REQUEST_STATE_OTHER`` table, compiled in as its default table, so
 no lookup more). The engine changes nothing for it. The decision path (plan,
@@ -67,8 +67,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 import grpc
 
-from policies.outcome import (AFTER_HIT, AFTER_MISS, DEFAULT, OTHER, REST_STEPS, RESTING, TABLE_STATES,
-                              TRACKED_STATES)
+from policies.outcome import (AFTER_HIT, AFTER_MISS, DEFAULT, OTHER, REST_STEPS, RESTING, STATE_BITS, STATE_MASK,
+                              TABLE_STATES, TRACKED_STATES, pack_state)
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import controller_pb2_grpc, plan_pb2, worker_pb2
 from worker.sdk.placement import HEALTH_CHECK, Endpoint, Placement, Targets, health_request, health_serving
@@ -244,16 +244,25 @@ class CompiledPlan:
 MAX_TRACKED_REQUESTS = 65_536
 
 
+# Packed states (policies.outcome.pack_state) of a rest: its first step, one step more, and the
+# last step a rest may run (a resting request at it goes back to the default state).
+_FIRST_REST = pack_state(RESTING, 1)
+_ONE_REST = 1 << STATE_BITS
+_LAST_REST = pack_state(RESTING, REST_STEPS)
+
+
 class OutcomeTracker:
     """Each request's state (:mod:`policies.outcome`) from the steps the engine reports.
 
     Only requests in a tracked state are held (the default state is the
     absence of an entry), so a request that drafts part-way or plainly costs
-    nothing to keep; ``forget`` drops a finished request. ``states`` holds
-    the state ``decide`` looks up, ``rested`` how long each resting request
-    has rested. Bounded by ``max_requests``: past it the entries that have
-    been held longest go first (those of requests that left without a
-    ``finish``).
+    nothing to keep; ``forget`` drops a finished request. ``codes`` holds
+    each one's state packed in one int as the controller keeps it
+    (:func:`policies.outcome.pack_state`: the state in the low bits, a
+    resting request's rest count above them); ``decide`` reads the state as
+    ``code & STATE_MASK``. Bounded by ``max_requests``: past it the entries
+    that have been held longest go first (those of requests that left
+    without a ``finish``).
 
     >>> from worker.sdk.telemetry import RequestTelemetry as R, StepTelemetry as S
     >>> t = OutcomeTracker()
@@ -265,56 +274,48 @@ class OutcomeTracker:
     (3, 1, 0)
     """
 
-    __slots__ = ("states", "rested", "max_requests")
+    __slots__ = ("codes", "max_requests")
 
     def __init__(self, max_requests: int = MAX_TRACKED_REQUESTS) -> None:
-        self.states: dict[str, int] = {}
-        self.rested: dict[str, int] = {}
+        self.codes: dict[str, int] = {}
         self.max_requests = max_requests
 
     def observe(self, step: StepTelemetry) -> None:
-        states, rested = self.states, self.rested
+        codes = self.codes
         for r in step.requests:
-            # policies.outcome.next_state, inline: this runs for every request of every step.
-            # (A rest count is read only while its request rests and set when a rest begins,
-            # so one left behind by a request that drafted again needs no removing.)
+            # policies.outcome.next_state on packed states, inline: this runs for every request of every step.
             rid, depth = r.request_id, r.depth
             if depth > 0:
                 accepted = r.accepted
-                state = AFTER_MISS if accepted <= 0 else AFTER_HIT if accepted >= depth else DEFAULT
+                code = AFTER_MISS if accepted <= 0 else AFTER_HIT if accepted >= depth else DEFAULT
             else:  # plain: a miss starts a rest, a rest runs REST_STEPS steps, anything else is the default
-                previous = states.get(rid, DEFAULT) if states else DEFAULT
+                previous = codes.get(rid, DEFAULT) if codes else DEFAULT
                 if previous == AFTER_MISS:
-                    state = RESTING
-                    rested[rid] = 1
-                elif previous == RESTING and rested.get(rid, REST_STEPS) < REST_STEPS:  # a count trimmed: over
-                    rested[rid] += 1
-                    continue
+                    code = _FIRST_REST
+                elif _FIRST_REST <= previous < _LAST_REST:  # resting (the only codes past the states)
+                    code = previous + _ONE_REST
                 else:
-                    state = DEFAULT
-            if state:
-                states[rid] = state
-            elif states:
-                states.pop(rid, None)
-        if len(states) > self.max_requests or len(rested) > self.max_requests:
-            for held in (states, rested):
-                for rid in list(held)[: max(len(held) - self.max_requests // 2, 0)]:
-                    held.pop(rid, None)
+                    code = DEFAULT
+            if code:
+                codes[rid] = code
+            elif codes:
+                codes.pop(rid, None)
+        if len(codes) > self.max_requests:
+            for rid in list(codes)[: len(codes) - self.max_requests // 2]:
+                del codes[rid]
 
     def state(self, request_id: str) -> int:
-        return self.states.get(request_id, DEFAULT)
+        return self.codes.get(request_id, DEFAULT) & STATE_MASK
 
     def rest(self, request_id: str) -> int:
         """Plain steps a resting request has run since its miss (0: not resting)."""
-        return self.rested.get(request_id, 0) if self.states.get(request_id) == RESTING else 0
+        return self.codes.get(request_id, DEFAULT) >> STATE_BITS
 
     def forget(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
-        self.rested.pop(request_id, None)
+        self.codes.pop(request_id, None)
 
     def clear(self) -> None:
-        self.states.clear()
-        self.rested.clear()
+        self.codes.clear()
 
 
 class LocalDecisions:
@@ -329,13 +330,13 @@ class LocalDecisions:
     ``last_unknown_class``).
     """
 
-    __slots__ = ("plan", "overrides", "outcomes", "states", "stats")
+    __slots__ = ("plan", "overrides", "outcomes", "codes", "stats")
 
     def __init__(self, plan: CompiledPlan, stats: "AgentStats") -> None:
         self.plan = plan
         self.overrides: dict[str, Decision] = {}
         self.outcomes = OutcomeTracker()
-        self.states = self.outcomes.states  # the tracker's dict itself (cleared, never replaced): one lookup less
+        self.codes = self.outcomes.codes  # the tracker's dict itself (cleared, never replaced): one lookup less
         self.stats = stats
 
     def decide(self, request_id: str, context_len: int, batch_size: int, request_class: str = "") -> Decision:
@@ -360,9 +361,9 @@ class LocalDecisions:
                 return named.lookup(batch_size, context_len)  # state tables refine the default class only
         state_tables = plan.state_tables
         if state_tables:
-            state = self.states.get(request_id)
-            if state is not None:
-                table = state_tables.get(state, table)
+            code = self.codes.get(request_id)
+            if code is not None:
+                table = state_tables.get(code & STATE_MASK, table)
         return table.lookup(batch_size, context_len)
 
     def install(self, plan: CompiledPlan) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.speculation.v1 import plan_pb2 as speculation_dot_v1_dot_plan__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspeculation/v1/worker.proto\x12\x0especulation.v1\x1a\x19speculation/v1/plan.proto\"\xa0\x01\n\x07\x44rafter\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.speculation.v1.DrafterKind\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tmax_depth\x18\x03 \x01(\r\x12\x11\n\tmax_width\x18\x04 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x05 \x01(\r\x12\x1b\n\x13trained_context_len\x18\x06 \x01(\r\"\xa4\x01\n\x08Hardware\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x1d\n\x15memory_bandwidth_gb_s\x18\x03 \x01(\x01\x12\x13\n\x0bpeak_tflops\x18\x04 \x01(\x01\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x01\x12\x1a\n\x12kv_bytes_per_token\x18\x06 \x01(\x01\x12\x0e\n\x06params\x18\x07 \x01(\x01\"\xe4\x02\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12*\n\x08hardware\x18\x04 \x01(\x0b\x32\x18.speculation.v1.Hardware\x12(\n\x07\x64rafter\x18\x05 \x01(\x0b\x32\x17.speculation.v1.Drafter\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x1c\n\x14\x63urrent_plan_version\x18\x07 \x01(\x04\x12\x33\n\rverify_layout\x18\x08 \x01(\x0e\x32\x1c.speculation.v1.VerifyLayout\x12\x31\n\x0b\x63\x61libration\x18\t \x03(\x0b\x32\x1c.speculation.v1.VerifySample\x12\x35\n\x0etelemetry_loss\x18\n \x01(\x0b\x32\x1d.speculation.v1.TelemetryLoss\"[\n\rTelemetryLoss\x12\x15\n\rsteps_dropped\x18\x01 \x01(\x04\x12\x19\n\x11steps_unconfirmed\x18\x02 \x01(\x04\x12\x18\n\x10\x66inished_dropped\x18\x03 \x01(\x04\"o\n\x0cVerifySample\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x14\n\x0c\x62\x61tch_tokens\x18\x02 \x01(\x05\x12\x11\n\tkv_tokens\x18\x03 \x01(\x03\x12\x11\n\tverify_ms\x18\x04 \x01(\x01\x12\x0f\n\x07repeats\x18\x05 \x01(\x05\"\x85\x03\n\x0bRequestStep\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\r\n\x05nodes\x18\x05 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x05\x12\x15\n\raccepted_rank\x18\x07 \x03(\x05\x12\x18\n\x10level_candidates\x18\x08 \x03(\x05\x12\x18\n\x10\x64raft_confidence\x18\t \x03(\x02\x12\x0e\n\x06\x64omain\x18\n \x01(\t\x12\x17\n\x0frequested_depth\x18\x0b \x01(\x05\x12\x17\n\x0frequested_width\x18\x0c \x01(\x05\x12\x17\n\x0frequested_nodes\x18\r \x01(\x05\x12\x18\n\x10\x63\x61ught_up_tokens\x18\x0e \x01(\x05\x12\x15\n\rrequest_class\x18\x0f \x01(\t\x12\x37\n\x0f\x61\x63\x63\x65ptance_rule\x18\x10 \x01(\x0e\x32\x1e.speculation.v1.AcceptanceRule\"\xad\x01\n\nStepReport\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x10\n\x08\x64raft_ms\x18\x04 \x01(\x01\x12\x11\n\tverify_ms\x18\x05 \x01(\x01\x12-\n\x08requests\x18\x06 \x03(\x0b\x32\x1b.speculation.v1.RequestStep\x12\x13\n\x0b\x63\x61tch_up_ms\x18\x07 \x01(\x01\"O\n\x0bStepReports\x12)\n\x05steps\x18\x01 \x03(\x0b\x32\x1a.speculation.v1.StepReport\x12\x15\n\rdropped_steps\x18\x02 \x01(\x04\"z\n\x0fRequestFinished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\"%\n\x03\x41\x63k\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\t\"6\n\x04Nack\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xf1\x01\n\rWorkerMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.speculation.v1.HelloH\x00\x12.\n\x07reports\x18\x02 \x01(\x0b\x32\x1b.speculation.v1.StepReportsH\x00\x12\x33\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1f.speculation.v1.RequestFinishedH\x00\x12\"\n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x13.speculation.v1.AckH\x00\x12$\n\x04nack\x18\x05 \x01(\x0b\x32\x14.speculation.v1.NackH\x00\x42\t\n\x07payload*\xa8\x01\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFTER_KIND_MEDUSA\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_EAGLE\x10\x02\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x03\x12\x1c\n\x18\x44RAFTER_KIND_DRAFT_MODEL\x10\x04\x12\x14\n\x10\x44RAFTER_KIND_MTP\x10\x05*a\n\x0cVerifyLayout\x12\x1d\n\x19VERIFY_LAYOUT_UNSPECIFIED\x10\x00\x12\x18\n\x14VERIFY_LAYOUT_PACKED\x10\x01\x12\x18\n\x14VERIFY_LAYOUT_PADDED\x10\x02\x42q\n\x1a\x64\x65v.specctl.speculation.v1B\x0bWorkerProtoP\x01Z+specctl/gen/go/speculation/v1;speculationv1\xaa\x02\x16Specctl.Speculation.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspeculation/v1/worker.proto\x12\x0especulation.v1\x1a\x19speculation/v1/plan.proto\"\xb9\x01\n\x07\x44rafter\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.speculation.v1.DrafterKind\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tmax_depth\x18\x03 \x01(\r\x12\x11\n\tmax_width\x18\x04 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x05 \x01(\r\x12\x1b\n\x13trained_context_len\x18\x06 \x01(\r\x12\x17\n\x0f\x63\x61tch_up_window\x18\x07 \x01(\r\"\xa4\x01\n\x08Hardware\x12\x13\n\x0b\x61\x63\x63\x65lerator\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x1d\n\x15memory_bandwidth_gb_s\x18\x03 \x01(\x01\x12\x13\n\x0bpeak_tflops\x18\x04 \x01(\x01\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x01\x12\x1a\n\x12kv_bytes_per_token\x18\x06 \x01(\x01\x12\x0e\n\x06params\x18\x07 \x01(\x01\"\xe4\x02\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12*\n\x08hardware\x18\x04 \x01(\x0b\x32\x18.speculation.v1.Hardware\x12(\n\x07\x64rafter\x18\x05 \x01(\x0b\x32\x17.speculation.v1.Drafter\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x1c\n\x14\x63urrent_plan_version\x18\x07 \x01(\x04\x12\x33\n\rverify_layout\x18\x08 \x01(\x0e\x32\x1c.speculation.v1.VerifyLayout\x12\x31\n\x0b\x63\x61libration\x18\t \x03(\x0b\x32\x1c.speculation.v1.VerifySample\x12\x35\n\x0etelemetry_loss\x18\n \x01(\x0b\x32\x1d.speculation.v1.TelemetryLoss\"[\n\rTelemetryLoss\x12\x15\n\rsteps_dropped\x18\x01 \x01(\x04\x12\x19\n\x11steps_unconfirmed\x18\x02 \x01(\x04\x12\x18\n\x10\x66inished_dropped\x18\x03 \x01(\x04\"o\n\x0cVerifySample\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x14\n\x0c\x62\x61tch_tokens\x18\x02 \x01(\x05\x12\x11\n\tkv_tokens\x18\x03 \x01(\x03\x12\x11\n\tverify_ms\x18\x04 \x01(\x01\x12\x0f\n\x07repeats\x18\x05 \x01(\x05\"\x85\x03\n\x0bRequestStep\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\r\n\x05nodes\x18\x05 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x05\x12\x15\n\raccepted_rank\x18\x07 \x03(\x05\x12\x18\n\x10level_candidates\x18\x08 \x03(\x05\x12\x18\n\x10\x64raft_confidence\x18\t \x03(\x02\x12\x0e\n\x06\x64omain\x18\n \x01(\t\x12\x17\n\x0frequested_depth\x18\x0b \x01(\x05\x12\x17\n\x0frequested_width\x18\x0c \x01(\x05\x12\x17\n\x0frequested_nodes\x18\r \x01(\x05\x12\x18\n\x10\x63\x61ught_up_tokens\x18\x0e \x01(\x05\x12\x15\n\rrequest_class\x18\x0f \x01(\t\x12\x37\n\x0f\x61\x63\x63\x65ptance_rule\x18\x10 \x01(\x0e\x32\x1e.speculation.v1.AcceptanceRule\"\xad\x01\n\nStepReport\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x10\n\x08\x64raft_ms\x18\x04 \x01(\x01\x12\x11\n\tverify_ms\x18\x05 \x01(\x01\x12-\n\x08requests\x18\x06 \x03(\x0b\x32\x1b.speculation.v1.RequestStep\x12\x13\n\x0b\x63\x61tch_up_ms\x18\x07 \x01(\x01\"O\n\x0bStepReports\x12)\n\x05steps\x18\x01 \x03(\x0b\x32\x1a.speculation.v1.StepReport\x12\x15\n\rdropped_steps\x18\x02 \x01(\x04\"z\n\x0fRequestFinished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\"%\n\x03\x41\x63k\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\t\"6\n\x04Nack\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xf1\x01\n\rWorkerMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.speculation.v1.HelloH\x00\x12.\n\x07reports\x18\x02 \x01(\x0b\x32\x1b.speculation.v1.StepReportsH\x00\x12\x33\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1f.speculation.v1.RequestFinishedH\x00\x12\"\n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x13.speculation.v1.AckH\x00\x12$\n\x04nack\x18\x05 \x01(\x0b\x32\x14.speculation.v1.NackH\x00\x42\t\n\x07payload*\xa8\x01\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFTER_KIND_MEDUSA\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_EAGLE\x10\x02\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x03\x12\x1c\n\x18\x44RAFTER_KIND_DRAFT_MODEL\x10\x04\x12\x14\n\x10\x44RAFTER_KIND_MTP\x10\x05*a\n\x0cVerifyLayout\x12\x1d\n\x19VERIFY_LAYOUT_UNSPECIFIED\x10\x00\x12\x18\n\x14VERIFY_LAYOUT_PACKED\x10\x01\x12\x18\n\x14VERIFY_LAYOUT_PADDED\x10\x02\x42q\n\x1a\x64\x65v.specctl.speculation.v1B\x0bWorkerProtoP\x01Z+specctl/gen/go/speculation/v1;speculationv1\xaa\x02\x16Specctl.Speculation.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,32 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'speculation.v1.worker_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\032dev.specctl.speculation.v1B\013WorkerProtoP\001Z+specctl/gen/go/speculation/v1;speculationv1\252\002\026Specctl.Speculation.V1'
-  _globals['_DRAFTERKIND']._serialized_start=2082
-  _globals['_DRAFTERKIND']._serialized_end=2250
-  _globals['_VERIFYLAYOUT']._serialized_start=2252
-  _globals['_VERIFYLAYOUT']._serialized_end=2349
+  _globals['_DRAFTERKIND']._serialized_start=2107
+  _globals['_DRAFTERKIND']._serialized_end=2275
+  _globals['_VERIFYLAYOUT']._serialized_start=2277
+  _globals['_VERIFYLAYOUT']._serialized_end=2374
   _globals['_DRAFTER']._serialized_start=75
-  _globals['_DRAFTER']._serialized_end=235
-  _globals['_HARDWARE']._serialized_start=238
-  _globals['_HARDWARE']._serialized_end=402
-  _globals['_HELLO']._serialized_start=405
-  _globals['_HELLO']._serialized_end=761
-  _globals['_TELEMETRYLOSS']._serialized_start=763
-  _globals['_TELEMETRYLOSS']._serialized_end=854
-  _globals['_VERIFYSAMPLE']._serialized_start=856
-  _globals['_VERIFYSAMPLE']._serialized_end=967
-  _globals['_REQUESTSTEP']._serialized_start=970
-  _globals['_REQUESTSTEP']._serialized_end=1359
-  _globals['_STEPREPORT']._serialized_start=1362
-  _globals['_STEPREPORT']._serialized_end=1535
-  _globals['_STEPREPORTS']._serialized_start=1537
-  _globals['_STEPREPORTS']._serialized_end=1616
-  _globals['_REQUESTFINISHED']._serialized_start=1618
-  _globals['_REQUESTFINISHED']._serialized_end=1740
-  _globals['_ACK']._serialized_start=1742
-  _globals['_ACK']._serialized_end=1779
-  _globals['_NACK']._serialized_start=1781
-  _globals['_NACK']._serialized_end=1835
-  _globals['_WORKERMESSAGE']._serialized_start=1838
-  _globals['_WORKERMESSAGE']._serialized_end=2079
+  _globals['_DRAFTER']._serialized_end=260
+  _globals['_HARDWARE']._serialized_start=263
+  _globals['_HARDWARE']._serialized_end=427
+  _globals['_HELLO']._serialized_start=430
+  _globals['_HELLO']._serialized_end=786
+  _globals['_TELEMETRYLOSS']._serialized_start=788
+  _globals['_TELEMETRYLOSS']._serialized_end=879
+  _globals['_VERIFYSAMPLE']._serialized_start=881
+  _globals['_VERIFYSAMPLE']._serialized_end=992
+  _globals['_REQUESTSTEP']._serialized_start=995
+  _globals['_REQUESTSTEP']._serialized_end=1384
+  _globals['_STEPREPORT']._serialized_start=1387
+  _globals['_STEPREPORT']._serialized_end=1560
+  _globals['_STEPREPORTS']._serialized_start=1562
+  _globals['_STEPREPORTS']._serialized_end=1641
+  _globals['_REQUESTFINISHED']._serialized_start=1643
+  _globals['_REQUESTFINISHED']._serialized_end=1765
+  _globals['_ACK']._serialized_start=1767
+  _globals['_ACK']._serialized_end=1804
+  _globals['_NACK']._serialized_start=1806
+  _globals['_NACK']._serialized_end=1860
+  _globals['_WORKERMESSAGE']._serialized_start=1863
+  _globals['_WORKERMESSAGE']._serialized_end=2104
 # @@protoc_insertion_point(module_scope)

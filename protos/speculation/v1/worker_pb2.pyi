@@ -33,20 +33,22 @@ VERIFY_LAYOUT_PACKED: VerifyLayout
 VERIFY_LAYOUT_PADDED: VerifyLayout
 
 class Drafter(_message.Message):
-    __slots__ = ("kind", "version", "max_depth", "max_width", "max_tree_nodes", "trained_context_len")
+    __slots__ = ("kind", "version", "max_depth", "max_width", "max_tree_nodes", "trained_context_len", "catch_up_window")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_WIDTH_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     TRAINED_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_WINDOW_FIELD_NUMBER: _ClassVar[int]
     kind: DrafterKind
     version: str
     max_depth: int
     max_width: int
     max_tree_nodes: int
     trained_context_len: int
-    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., version: _Optional[str] = ..., max_depth: _Optional[int] = ..., max_width: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., trained_context_len: _Optional[int] = ...) -> None: ...
+    catch_up_window: int
+    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., version: _Optional[str] = ..., max_depth: _Optional[int] = ..., max_width: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., trained_context_len: _Optional[int] = ..., catch_up_window: _Optional[int] = ...) -> None: ...
 
 class Hardware(_message.Message):
     __slots__ = ("accelerator", "count", "memory_bandwidth_gb_s", "peak_tflops", "weight_bytes", "kv_bytes_per_token", "params")

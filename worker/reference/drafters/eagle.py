@@ -31,7 +31,7 @@ vocabulary, so a draft level costs a fraction of a target LM head.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -85,7 +85,7 @@ class EagleDrafter:
     needs_hidden = True
 
     def __init__(self, bundle: HeadsBundle, model, max_depth: int = 6, max_width: int = 4,
-                 max_tree_nodes: int = 32) -> None:
+                 max_tree_nodes: int = 32, catch_up_window: int | None = None) -> None:
         if bundle.kind != "eagle":
             raise ValueError(f"EagleDrafter needs eagle heads, got {bundle.kind}")
         self.head: EagleHead = bundle.module.eval()
@@ -97,9 +97,23 @@ class EagleDrafter:
         self.version = bundle.version
         self.limits = DrafterLimits(self.kind, self.version, max_depth, max_width, max(max_depth, max_tree_nodes),
                                     int(bundle.meta.get("trained_context_len", 0)))
+        self.catch_up_window: int | None = None
+        self.set_catch_up_window(catch_up_window)
         layer = self.head.layer
         self._kv_shape = (layer.kv_heads, layer.head_dim)
         self._state: dict[str, _State] = {}
+
+    def set_catch_up_window(self, window: int | None) -> None:
+        """From now on a catch-up runs only the newest ``window`` queued pairs of
+        a request (None: all of them); ``limits.catch_up_window`` (what the
+        Hello announces) follows. The pairs before them are never run: the head
+        attends to what it cached before, a gap, then these, each at its own
+        position. Drafts only: verification decides what is emitted, so any
+        window is lossless; what it costs is acceptance (docs/reference-worker.md)."""
+        if window is not None and window < 1:
+            raise ValueError(f"catch_up_window must be >= 1 pairs or None (all), got {window!r}")
+        self.catch_up_window = window
+        self.limits = replace(self.limits, catch_up_window=window or 0)
 
     # ------------------------------------------------------------ helpers
     def _emb(self, tokens: list[int]) -> torch.Tensor:
@@ -167,7 +181,13 @@ class EagleDrafter:
             first = st.pending[0][0]  # feature index of the first queued feature
             hidden = st.pending[0][1] if len(st.pending) == 1 else torch.cat([h for _, h in st.pending])
             st.pending.clear()
-            if first != st.pairs:  # out of sync (should not happen): start over from these features
+            window = self.catch_up_window
+            if window is not None and hidden.shape[0] > window:
+                # Only the newest pairs: the head keeps what it cached before and skips the gap
+                # (positions stay absolute, so the pairs it does see sit where they belong).
+                skip = hidden.shape[0] - window
+                hidden, first = hidden[skip:], first + skip
+            if first < st.pairs:  # out of sync (should not happen): start over from these features
                 st.pairs, st.k, st.v = first, None, None
             rows.append((ctx, st, hidden, first))
         if not rows:
@@ -189,14 +209,12 @@ class EagleDrafter:
         for r, (ctx, st, hidden, first) in enumerate(rows):
             m = hidden.shape[0]
             nk, nv = k[r, :, :m], v[r, :, :m]
-            if st.k is not None and first == st.pairs and st.pairs:
-                st.k = torch.cat([st.k[:, : st.pairs], nk], dim=1)
-                st.v = torch.cat([st.v[:, : st.pairs], nv], dim=1)
-            else:
-                # no earlier pairs (first call, or restart): left-pad slots stand for pairs we never saw
+            if st.k is not None:  # after the pairs cached before (and after a skipped gap, if any)
+                st.k = torch.cat([st.k, nk], dim=1)
+                st.v = torch.cat([st.v, nv], dim=1)
+            else:  # no earlier pairs (first call, or restart): left-pad slots stand for pairs never seen
                 st.k, st.v = nk.clone(), nv.clone()
-                st.pairs = first
-            st.pairs += m
+            st.pairs = first + m
             st.last_out = out[r, m - 1].clone()
         return {ctx.request_id: hidden.shape[0] for ctx, _, hidden, _ in rows}
 

@@ -250,11 +250,15 @@ def build_shape_model(shape: str, device: torch.device, seed: int = 0):
 
 # -- timing ------------------------------------------------------------------------------------
 class _Clock:
-    """Milliseconds of one call: wall time on the CPU, CUDA events + a synchronize on CUDA."""
+    """Milliseconds of one call: ``timer`` (wall time) on the CPU, CUDA events + a synchronize on CUDA.
 
-    def __init__(self, device: torch.device) -> None:
+    ``timer`` is a seam for tests: one that moves by the work a call does gives a table whose every
+    value is known in advance, on any machine."""
+
+    def __init__(self, device: torch.device, timer: Callable[[], float] = time.perf_counter) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
+        self.timer = timer
 
     def __call__(self, fn: Callable[[], Any]) -> float:
         if self.cuda:
@@ -264,9 +268,9 @@ class _Clock:
             end.record()
             torch.cuda.synchronize(self.device)
             return float(start.elapsed_time(end))
-        t0 = time.perf_counter()
+        t0 = self.timer()
         fn()
-        return (time.perf_counter() - t0) * 1e3
+        return (self.timer() - t0) * 1e3
 
 
 def _medians(runs: dict[int, Callable[[], float]], repeats: int) -> dict[int, float]:
@@ -439,13 +443,15 @@ def _available_bytes(device: torch.device) -> float:
 @torch.inference_mode()
 def measure_step_table(model, grid: StepGrid, model_name: str, heads_dir: str | None = None,
                        draft_vocab: int | None = None, seed: int = 0, note: str = "",
-                       log: Callable[[str], None] = print) -> dict[str, Any]:
+                       log: Callable[[str], None] = print,
+                       timer: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Time ``model``'s verify and one EAGLE draft level over ``grid`` on the model's device.
 
     Returns the table (``info``, ``model``, ``verify``, ``draft``); ``log``
     gets a line per cache measured. ``model_name`` names the model in the
     table (and finds its cached heads, when it is a name ``ensure_heads``
-    knows); ``note`` goes into ``info.source``.
+    knows); ``note`` goes into ``info.source``. ``timer`` (seconds) times each
+    call on the CPU (CUDA times with events).
     """
     from worker.reference.engine.engine import Engine
     from worker.reference.engine.kernels import DRAFT_ROW_GRID, is_tuned, tune_model
@@ -460,7 +466,7 @@ def measure_step_table(model, grid: StepGrid, model_name: str, heads_dir: str | 
         raise ValueError(f"--max-kv-tokens: the largest cache ({largest} tokens, {need / 1e9:.1f} GB of KV) does "
                          f"not fit in the {have / 1e9:.1f} GB free on {device}; lower --max-kv-tokens, --batches "
                          "or --contexts")
-    clock = _Clock(device)
+    clock = _Clock(device, timer)
     gen = torch.Generator().manual_seed(seed)
     engine = Engine(model, None, max_batch=grid.batches[-1], eos_token_id=-1)
     attention = "cascade (prefix unmasked, tree block masked)" if engine.cascade else "one masked SDPA over the context"
