@@ -208,6 +208,7 @@ class RequestRow(NamedTuple):
     caught_up_tokens: int
     request_class: str = ""  # as reported (empty: the default class)
     acceptance_rule: int = 0  # AcceptanceRule the step verified this request with (0 = strict)
+    domain: str = ""  # as reported: the drift monitor's stratum label (empty: none)
 
 
 _new_row = tuple.__new__  # RequestRow without NamedTuple's Python-level __new__: ~0.2 µs a row, 8 rows a step
@@ -247,7 +248,7 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
     max_depth, max_width, max_nodes = limits.max_depth, limits.max_width, limits.max_tree_nodes
     rows: list[RequestRow] = []
     ids: list[str] = []
-    for i, r in enumerate(requests):
+    for r in requests:
         rid, ctx, depth, width, nodes, accepted = r.request_id, r.context_len, r.depth, r.width, r.nodes, r.accepted
         ranks, requested = r.accepted_rank, r.requested_depth
         requested_width, requested_nodes, caught = r.requested_width, r.requested_nodes, r.caught_up_tokens
@@ -264,16 +265,17 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
         ) and (caught == 0 or (requested and 0 < caught <= ctx)) and 0 <= (rule := r.acceptance_rule) <= TYPICAL \
                 and not ranks and not r.level_candidates and not r.draft_confidence:
             rows.append(_new_row(RequestRow, (rid, ctx, depth, width, nodes, accepted, None, None, requested,
-                                              requested_width, requested_nodes, caught, r.request_class, rule)))
+                                              requested_width, requested_nodes, caught, r.request_class, rule,
+                                              r.domain)))
             continue
-        validate_request_step(r, limits, f"{path}.requests[{i}]", sid)
+        validate_request_step(r, limits, f"{path}.requests[{len(rows)}]", sid)  # rows: one per request before it
         if depth and ranks:
             rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates),
                                    requested, requested_width, requested_nodes, caught, r.request_class,
-                                   r.acceptance_rule))
+                                   r.acceptance_rule, r.domain))
         else:
             rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
-                                   requested_nodes, caught, r.request_class, r.acceptance_rule))
+                                   requested_nodes, caught, r.request_class, r.acceptance_rule, r.domain))
     if len(ids) > 1 and len(set(ids)) < len(ids):
         seen: set[str] = set()
         for j, rid in enumerate(ids):

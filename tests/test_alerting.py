@@ -39,8 +39,9 @@ class CostlyMonitor:
 
 def step_of(request_ids: list[str], step_id: int, domain: str = "chat"):
     """A StepReport stand-in and its validated rows (depth-3 chains)."""
-    rows = [RequestRow(rid, 100 + step_id, 3, 1, 3, step_id % 4, None, None, 3, 1, 3, 0) for rid in request_ids]
-    step = SimpleNamespace(timestamp=float(step_id), requests=[SimpleNamespace(domain=domain) for _ in request_ids])
+    rows = [RequestRow(rid, 100 + step_id, 3, 1, 3, step_id % 4, None, None, 3, 1, 3, 0, domain=domain)
+            for rid in request_ids]
+    step = SimpleNamespace(timestamp=float(step_id))
     return step, rows
 
 

@@ -142,10 +142,14 @@ def check_modes_report(report: dict) -> None:
             assert all(f["monitor_request_steps"] > 0 for a, f in feeds.items() if workers[a]), feeds
             assert all(f["evidence_sent"] == 0 and not f["owns"] for f in feeds.values()), feeds
         else:  # one monitor, the owner's, fed by every replica's forwarded evidence
+            # Never two owners at once. The lease may have moved during the phase on a loaded machine
+            # (the monitor then ran on each owner in turn), so which replica fed its monitor is not
+            # pinned; the owner at the end did.
+            owners = [a for a, f in feeds.items() if f["owns"]]
+            assert len(owners) == 1, feeds
             owner = block["owner"]
-            assert [a for a, f in feeds.items() if f["owns"]] == [owner] and feeds[owner]["owns"] == ["eagle/v1"]
-            assert feeds[owner]["monitor_request_steps"] == block["monitor_request_steps"]
-            assert all(f["monitor_request_steps"] == 0 for a, f in feeds.items() if a != owner), feeds
+            assert owners == [owner] and feeds[owner]["owns"] == ["eagle/v1"]
+            assert feeds[owner]["monitor_request_steps"] > 0, feeds
             assert all(f["evidence_sent"] > 0 for a, f in feeds.items() if workers[a]), feeds
             assert block["evidence_shed_by_owner"] == int(feeds[owner]["dropped_request_steps"])
             for f in feeds.values():  # every replica samples the version by the owner's published fraction

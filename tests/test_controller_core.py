@@ -354,7 +354,7 @@ def test_catch_up_is_fitted_per_token_counted_in_step_time_and_owed_per_request(
     assert ctl.observation(medusa, 1.0).catch_up_owed == {}
     assert obs.cost.catch_up_ms(100) == pytest.approx(5.0)
     ctl.finished(state, worker_pb2.RequestFinished(request_id="a", generated_tokens=6, steps=4, timestamp=5.0))
-    assert "a" not in state.requests.drafted_through and "a" not in ctl.observation(state, 5.0).catch_up_owed
+    assert "a" not in state.requests.active and "a" not in ctl.observation(state, 5.0).catch_up_owed
     # Refused: more tokens than the context, or tokens with no draft asked for.
     bad = worker_pb2.StepReports()
     s = bad.steps.add(step_id=5, timestamp=5.0, batch_size=1, verify_ms=20.0)

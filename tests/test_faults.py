@@ -205,8 +205,9 @@ async def test_kill_9_of_the_controller_under_load(tmp_path: Path):
                        timeout=30)
         assert all(a.stats.reconnects >= 1 and a.stats.rejections == 0 for a in agents)
         # The open alert and the baselines came back from the store.
-        (back,) = await existing_alerts(target)
-        assert (back.id, back.stratum, back.status) == (alert.id, alert.stratum, controller_pb2.ALERT_STATUS_OPEN)
+        back = await existing_alerts(target)  # (a failure shows what came back: it failed once in a full run)
+        assert [(a.id, a.stratum, a.status) for a in back] == [
+            (alert.id, alert.stratum, controller_pb2.ALERT_STATUS_OPEN)], back
         await asyncio.sleep(1.5)  # several saves by the new controller, drifted traffic all along
         # The drifted stratum's baseline is the one from before the kill (a relearnt
         # one would have learnt the drifted traffic as normal).

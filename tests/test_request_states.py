@@ -111,7 +111,7 @@ def test_the_inline_copies_of_the_state_rule_agree_with_next_state() -> None:
         for d, a in steps:
             expected = next_state(d, a, expected)
         assert (tracker.state(rid), tracker.rest(rid)) == expected, rid
-        assert unpack_state(state.requests.last_outcome[rid]) == expected, rid
+        assert unpack_state(state.requests.active[rid].state) == expected, rid
 
 
 def test_tracker_is_bounded_and_forgets_finished_requests() -> None:
@@ -310,7 +310,8 @@ def test_ingest_routes_evidence_by_state_and_leaves_the_pooled_model_as_it_was()
     assert params(AFTER_MISS) == (pytest.approx([1, 1, 1, 1]), pytest.approx([0, 0, 0, 0]))  # (4, 4)
     assert params(AFTER_HIT) == (pytest.approx([1, 1, 0, 0]), pytest.approx([0, 0, 1, 0]))  # (4, 2)
     assert params(RESTING) == (pytest.approx([1, 0, 0, 0]), pytest.approx([0, 1, 0, 0]))  # (4, 1)
-    assert state.requests.last_outcome == {"r": DEFAULT}  # its last step accepted part-way
+    # Its last step accepted part-way.
+    assert {rid: r.state for rid, r in state.requests.active.items()} == {"r": DEFAULT}
     assert state.load.state_counts == [3.0, 2.0, 1.0, 2.0]
     # The pooled model and accept_counts are what a controller without state models makes of the same steps.
     bare = Controller(ServerConfig(), load_preset("static"), clock=lambda: clock[0])
@@ -322,7 +323,7 @@ def test_ingest_routes_evidence_by_state_and_leaves_the_pooled_model_as_it_was()
     assert state.accept_counts == bare_state.accept_counts and sum(state.accept_counts.values()) == 5
     # A finished request is forgotten.
     assert ctl.finished(state, worker_pb2.RequestFinished(request_id="r", generated_tokens=10, steps=6)) is None
-    assert "r" not in state.requests.last_outcome
+    assert "r" not in state.requests.active
 
 
 # ------------------------------------------------------------ the policy
@@ -493,7 +494,8 @@ async def test_agent_gets_state_tables_from_a_real_controller_and_decide_reads_t
         assert [s.state for s in ws.plan.state_tables] == [plan_pb2.REQUEST_STATE_AFTER_MISS,
                                                              plan_pb2.REQUEST_STATE_AFTER_HIT]
         # The controller tracked the same states from the steps it received.
-        await wait_for(lambda: running.controller.workers["w-st"].requests.last_outcome.get("h") == AFTER_HIT)
+        await wait_for(lambda: getattr(running.controller.workers["w-st"].requests.active.get("h"), "state", None)
+                       == AFTER_HIT)
         # Unary Decide: the query's state picks the table; a state it does not know is refused, naming the field.
         response = await decide(channel, controller_pb2.DecideRequest(worker_id="w-st", queries=[
             controller_pb2.DecideQuery(request_id="q1", context_len=100, batch_size=2,

@@ -113,6 +113,38 @@ async def test_get_status_rpc_yields_to_the_loop_between_workers():
     assert [w.hello.worker_id for w in one.workers] == ["w2"]
 
 
+async def test_a_status_build_yields_after_the_worker_in_hand_while_a_plan_waits_for_its_writer():
+    """With a slice far longer than the whole build, an all-workers status
+    holds the loop to the end, unless a plan is waiting for its stream's
+    writer (``Controller.plan_waiting``, the servicer's plans on the way):
+    then it yields after the worker in hand, so the writer goes before the
+    rest of the build."""
+    ctl, _ = _fleet()
+
+    async def turns_during_build(waiting: bool) -> list[int]:
+        ctl.plan_waiting = lambda: waiting
+        seen: list[int] = []
+        built = [0]
+
+        async def writer() -> None:  # stands for the writer: notes how far the build had got
+            for _ in range(WORKERS):
+                seen.append(built[0])
+                await asyncio.sleep(0)
+
+        task = asyncio.get_running_loop().create_task(writer())
+        async for i, _ in ctl.in_slices(list(ctl.workers.values()), slice_s=1e9):
+            built[0] = i + 1
+        task.cancel()
+        return seen
+
+    assert await turns_during_build(False) == []  # ran only once the build was done
+    assert (await turns_during_build(True))[0] == 1  # right after the first worker
+    servicer = SpeculationControllerServicer(ctl)
+    assert ctl.plan_waiting() is False  # the servicer's plans on the way: none yet
+    servicer.on_the_way.streams.add(object())
+    assert ctl.plan_waiting() is True
+
+
 async def test_a_worker_that_leaves_during_the_build_is_skipped():
     ctl, _ = _fleet()
 

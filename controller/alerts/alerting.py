@@ -160,19 +160,16 @@ class MonitorFeed:
             fleet = self.version_thresholds.get((str(limits.kind), str(limits.version)))
             if fleet is not None and fleet < threshold:
                 threshold = fleet
-        requests = None
         kept = []
         crc32 = zlib.crc32
-        for j, row in enumerate(rows):
+        for row in rows:
             if row.acceptance_rule == TYPICAL:
                 continue  # relaxed acceptance (a class's rule) is kept out of drift detection
             if threshold < HASH_SPACE and crc32(row.request_id.encode()) >= threshold:
                 continue
-            if requests is None:
-                requests = step.requests
             # (context_len, accepted, depth, ranks, candidates, domain) in observe_request's order
             kept.append((row.context_len, row.accepted, row.depth, row.accepted_rank or (), row.level_candidates or (),
-                         requests[j].domain))
+                         row.domain))
         if not kept:
             return
         self._buffer.append((state.limits, state.worker_id, step.timestamp, kept))

@@ -52,6 +52,10 @@ log = logging.getLogger("specctl.controller")
 STATUS_SLICE_S = 0.005
 
 
+def _nothing_waiting() -> bool:
+    return False
+
+
 class Controller:
     """Telemetry in, plans out. All methods take ``now`` from the injected clock."""
 
@@ -105,6 +109,10 @@ class Controller:
         # first_plan_hold(state): True while a worker's first plan should wait (the fleet's statistics
         # for its drafter version are on their way); plans.PlanDesk asks before it plans a first time.
         self.first_plan_hold: Callable[[WorkerState], bool] | None = None
+        # plan_waiting(): True while a plan this controller made waits for its stream's writer (the
+        # servicer's plans on the way); work done in slices (in_slices: status, the status page)
+        # then yields after the worker in hand instead of at the end of its slice.
+        self.plan_waiting: Callable[[], bool] = _nothing_waiting
         # (worker id, drafter kind, drafter version) -> WorkerState.accept_counts
         self.accept_counts: dict[tuple[str, str, str], dict[tuple[int, int, int], int]] = {}
         # worker id -> the fitted cost model and plan of its last status, with what they were built from.
@@ -284,8 +292,8 @@ class Controller:
         if cost.catch_up_ms_per_token > 0:  # only a drafter that has caught up owes anything
             # A drafter with a catch-up window runs only the newest ``window`` tokens it skipped.
             window = limits.catch_up_window or MAX_CONTEXT_LEN
-            owed = {rid: min(max(ctx - requests.drafted_through.get(rid, 0), 0), window)
-                    for rid, ctx in requests.active.items()}
+            owed = {rid: min(max(r.context_len - r.drafted_through, 0), window)
+                    for rid, r in requests.active.items()}
         return Observation(
             now=now,
             worker_id=state.worker_id,
@@ -297,13 +305,13 @@ class Controller:
             load=state.load.profile(),
             steps=tuple(requests.recent_steps),
             finished=tuple(requests.recent_finished),
-            active_requests=dict(requests.active),
+            active_requests=requests.context_lens(),
             catch_up_owed=owed,
             max_batch_size=state.hello.max_batch_size or 256,
             padded_verify=state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED,
             classes=self.policy.classes,
             class_load=state.classes.class_load(now),
-            active_classes=dict(requests.request_class),
+            active_classes=requests.classes(),
             acceptance_typical=self.typical_view(state),
             acceptance_by_state=self.acceptance_by_state.views(state),
         )
@@ -379,12 +387,15 @@ class Controller:
     async def in_slices(self, states: list[WorkerState], slice_s: float = STATUS_SLICE_S):
         """``(index, state)`` of ``states``, yielding the event loop whenever about
         ``slice_s`` of CPU has gone by since the last yield (for work per worker
-        that would otherwise hold the loop for the whole fleet). After a yield a
-        worker is looked up again: one forgotten meanwhile is skipped, one
-        re-registered is given as it is now."""
+        that would otherwise hold the loop for the whole fleet), and at once
+        while a plan waits for its writer (:attr:`plan_waiting`: a slice would
+        add up to ``slice_s`` to that plan's push). After a yield a worker is
+        looked up again: one forgotten meanwhile is skipped, one re-registered
+        is given as it is now."""
         started = time.perf_counter()
+        plan_waiting = self.plan_waiting
         for i, state in enumerate(states):
-            if time.perf_counter() - started > slice_s:
+            if i and (time.perf_counter() - started > slice_s or plan_waiting()):
                 await asyncio.sleep(0)
                 started = time.perf_counter()
                 state = self.workers.get(state.worker_id)

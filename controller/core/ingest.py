@@ -25,8 +25,8 @@ policy keeps strict is a violation: counted, and its acceptance not used.
 
 Request states (:mod:`policies.outcome`, issue #28): each request-step is in
 the state its request's previous steps left it in (after a miss, after a full
-accept, resting, default), kept per active request in
-``RequestTracker.last_outcome`` as one int (:func:`policies.outcome.pack_state`:
+accept, resting, default), kept in the request's record
+(``ActiveRequest.state``) as one int (:func:`policies.outcome.pack_state`:
 the state, and how long a resting request has rested).
 A strict request-step's acceptance evidence goes to the pooled strict model
 exactly as without states and, in addition, to its state's model
@@ -42,7 +42,7 @@ from bisect import bisect_right
 from typing import Iterable, Mapping
 
 from controller.core.classes import ClassStats
-from controller.core.state import SINKS, TYPICAL_SINK, EvidenceBuffer, WorkerState
+from controller.core.state import SINKS, TYPICAL_SINK, ActiveRequest, EvidenceBuffer, WorkerState
 from controller.models.acceptance import AcceptanceModel, DrafterKey, offer_slots
 from controller.protocol import TYPICAL, RequestRow
 from policies.base import RequestOutcome, StepOutcome
@@ -157,8 +157,7 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
     load, requests = state.load, state.requests
     counts, sums = load.context_counts, load.context_sums
     state_counts = load.state_counts
-    active, drafted_through, request_class = requests.active, requests.drafted_through, requests.request_class
-    last_outcome = requests.last_outcome
+    active = requests.active
     resolve = state.classes.resolve
     counters = state.counters
     evidence = state.evidence
@@ -177,10 +176,17 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
     step_ms = draft_ms + verify_ms + catch_up_ms  # every request of the step waits for all of it
     for row in rows:
         (rid, ctx, depth, width, nodes, accepted, ranks, cands, requested, requested_width, requested_nodes,
-         caught, name, rule) = row
+         caught, name, rule, _) = row  # _: its domain (the drift monitor's)
+        # Its record, most recently reported now (a new request goes in at the end).
+        request = active.get(rid)
+        if request is None:
+            request = active[rid] = ActiveRequest(ctx, "")
+        else:
+            active.move_to_end(rid)
+            request.context_len = ctx
         caught_up += caught
         if requested or depth:
-            drafted_through[rid] = ctx + accepted + 1
+            request.drafted_through = ctx + accepted + 1
         batch_tokens += 1 + nodes
         kv_tokens += ctx
         attn_pairs += (1 + nodes) * ctx
@@ -214,16 +220,16 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
         latency[1] += 1 + accepted
         latency[2] = now
         latency[3] += 1
-        request_class[rid] = class_name
+        request.class_name = class_name
         # Its request state: what its previous steps left it in, packed (pack_state).
-        code = last_outcome.get(rid, DEFAULT)
+        code = request.state
         outcome = code & STATE_MASK
         state_counts[outcome] += 1.0
         # policies.outcome.next_state, inline: a plain step after a miss rests, a rest runs
         # REST_STEPS plain steps, any other plain step is the default.
-        last_outcome[rid] = ((AFTER_MISS if not accepted else AFTER_HIT if accepted >= depth else DEFAULT) if depth
-                             else REST_1 if outcome == AFTER_MISS
-                             else code + REST_STEP if outcome == RESTING and code < REST_LAST else DEFAULT)
+        request.state = ((AFTER_MISS if not accepted else AFTER_HIT if accepted >= depth else DEFAULT) if depth
+                         else REST_1 if outcome == AFTER_MISS
+                         else code + REST_STEP if outcome == RESTING and code < REST_LAST else DEFAULT)
         # Its acceptance evidence, buffered under its sink: its request state (the strict rule),
         # the typical model, or (a violation) none.
         sink = outcome
@@ -274,11 +280,6 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
             level_kv += depth * ctx
             if depth > max_depth:
                 max_depth = depth
-        try:
-            active.move_to_end(rid)
-        except KeyError:  # a new request (rare): it goes in at the end
-            pass
-        active[rid] = ctx
         if keep_requests:
             outcomes.append(RequestOutcome(rid, ctx, depth, width, nodes, accepted, name))
     if run_class is not None:
@@ -286,10 +287,7 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
         if run_unknown:
             counters.unknown_class_request_steps += run_rows
     while len(active) > max_active:
-        gone = active.popitem(last=False)[0]
-        drafted_through.pop(gone, None)
-        request_class.pop(gone, None)
-        last_outcome.pop(gone, None)
+        active.popitem(last=False)
     if caught_up:
         state.cost.observe_catch_up(caught_up, catch_up_ms)
     if state.hello.verify_layout == worker_pb2.VERIFY_LAYOUT_PADDED:  # what the forward really computed

@@ -30,7 +30,7 @@ from controller.core.classes import ClassTracker
 from controller.models.cost import StepCostModel
 from policies.base import DrafterLimits, LoadProfile, PlanDraft
 from policies.classes import SINGLE, ClassSet
-from policies.outcome import STATES
+from policies.outcome import DEFAULT, STATES
 from protos.speculation.v1 import controller_pb2, worker_pb2
 
 RECENT_STEPS = 512  # steps buffered for the policy between two decide() calls
@@ -137,27 +137,45 @@ class LoadTracker:
         return float(np.dot(self.context_share, self.context_mean))
 
 
+class ActiveRequest:
+    """One request in flight: what each of its steps reads and leaves for the next
+    (ingest finds all of it with one lookup a request-step, not one per field)."""
+
+    __slots__ = ("context_len", "drafted_through", "class_name", "state")
+
+    def __init__(self, context_len: int, class_name: str, state: int = DEFAULT) -> None:
+        self.context_len = context_len  # as its last step reported it
+        # Tokens its drafter had seen after its last drafting step (0: none drafted yet): a drafter
+        # that catches up (EAGLE) owes it the rest of its context.
+        self.drafted_through = 0
+        self.class_name = class_name  # resolved: an unknown name is the default class
+        self.state = state  # the request state its last step left it in (policies.outcome.pack_state)
+
+    def __repr__(self) -> str:
+        return (f"ActiveRequest(context_len={self.context_len}, drafted_through={self.drafted_through}, "
+                f"class_name={self.class_name!r}, state={self.state})")
+
+
 @dataclass
 class RequestTracker:
     """Requests in flight, and what the policy has not seen yet."""
 
-    active: OrderedDict[str, int] = field(default_factory=OrderedDict)  # request id -> context_len (LRU)
-    # Request id -> tokens its drafter had seen after the request's last drafting
-    # step: a drafter that catches up (EAGLE) owes it the rest of its context.
-    drafted_through: dict[str, int] = field(default_factory=dict)
-    # Request id -> its class (resolved: unknown names are the default class), for active ones.
-    request_class: dict[str, str] = field(default_factory=dict)
-    # Request id -> the request state its last step left it in (policies.outcome), for active ones.
-    last_outcome: dict[str, int] = field(default_factory=dict)
+    # Request id -> its record, least recently reported first (the oldest goes past max_active_requests).
+    active: OrderedDict[str, ActiveRequest] = field(default_factory=OrderedDict)
     finished_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     recent_finished: deque = field(default_factory=lambda: deque(maxlen=RECENT_FINISHED))
 
+    def context_lens(self) -> dict[str, int]:
+        """Request id -> context length, for the active requests."""
+        return {rid: r.context_len for rid, r in self.active.items()}
+
+    def classes(self) -> dict[str, str]:
+        """Request id -> class name (resolved), for the active requests."""
+        return {rid: r.class_name for rid, r in self.active.items()}
+
     def finish(self, request_id: str) -> None:
         del self.active[request_id]
-        self.drafted_through.pop(request_id, None)
-        self.request_class.pop(request_id, None)
-        self.last_outcome.pop(request_id, None)
         self.finished_ids[request_id] = None
         while len(self.finished_ids) > FINISHED_IDS:
             self.finished_ids.popitem(last=False)
