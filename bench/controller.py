@@ -56,7 +56,7 @@ Measurements:
   ``plan_handoff_ms_p50/p99``: the controller's own part of it, server side
   for the plans gRPC took in the window: from ``created_at`` to the moment
   the stream's writer handed the plan to gRPC
-  (``SpeculationControllerServicer.plan_handoffs``); the difference is gRPC,
+  (``Controller.plan_handoffs``); the difference is gRPC,
   the loopback and the generator's wake-up on a machine whose cores the
   controller and the generators share.
   RequestDecisions carry no timestamp; the controller's send→ACK round trip
@@ -735,7 +735,7 @@ async def _controller_main(conn, profile_dir: str | None, config_path: str | Non
              "policy": ctl.policy.name, "rejections": {int(k): v for k, v in ctl.rejections.items()},
              "workers": len(workers), "steps": sum(s.steps_ingested for s in workers.values()),
              "send_queue_dropped": queue_dropped, "plans_deferred": plans_deferred,
-             "reads_yielded": reads_yielded, "plan_handoffs": list(running.servicer.plan_handoffs),
+             "reads_yielded": reads_yielded, "plan_handoffs": list(ctl.plan_handoffs),
              "gc": _gc_summary(gc_at_ready, gc_at_stop),
              "open_streams_at_stop": open_streams, "loop_errors": loop_errors[:20],
              "loop_error_count": len(loop_errors), "drift_monitor": drift}

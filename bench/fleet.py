@@ -46,9 +46,13 @@ Each phase (``embedded``, then ``redis``, the same load):
    are added up. ``open_alerts_max_per_stratum`` is the largest count seen.
    Then every alert the replicas know (with their history) is timed against
    the drift (``drift``: detection delay from the drop on replica 0's
-   workers, alerts opened before it), and with Redis each replica's drift
-   feed counters are read from its ``/metrics`` (evidence the monitor saw,
-   dropped or shed, forwarded).
+   workers, alerts opened before it), and each replica's drift feed
+   counters are read from its ``/metrics`` (evidence the monitor saw,
+   dropped or shed, forwarded). Then the plan push latency at the agents
+   over the plans since the warm-up (``plan_push_ms``), and from each
+   replica's ``/metrics`` its own part of it over its plans of the last
+   minute: created to taken by gRPC (``plan_handoff_ms``,
+   ``specctl_plan_handoff_seconds``).
 5. **failover**: ``kill -9`` of replica 0. For each of its workers, the time
    from the kill to the first plan it ACKed from another replica; the
    fallback decisions made meanwhile; then, with the load paused and every
@@ -640,11 +644,11 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
             state = ({"backend": "redis", "url": redis.url, "fleet": "bench", "replica_id": f"r{i}",
                       "drift_monitor": drift_monitor} if redis is not None else None)
             config = replica_config(state)
-            if redis is not None:
-                # /metrics, for the drift feed's counters (read once, after the alerts); the status page's
-                # history sampler kept out of the CPU window (one sample per worker when it first appears).
-                config.update(metrics_listen=f"127.0.0.1:{free_port()}", status_sample_interval_s=86400.0,
-                              metrics_plan_cells=False)
+            # /metrics, for the drift feed's counters (read once, after the alerts) and the plans'
+            # hand-off times; the status page's history sampler kept out of the CPU window (one sample
+            # per worker when it first appears).
+            config.update(metrics_listen=f"127.0.0.1:{free_port()}", status_sample_interval_s=86400.0,
+                          metrics_plan_cells=False)
             procs.append(ReplicaProcess(folder, f"{backend}-r{i}", config, port=ports[i] if ports else None))
         await asyncio.gather(*(asyncio.to_thread(p.start) for p in procs))
         addresses = [p.address for p in procs]
@@ -794,6 +798,11 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
             r["plan_push_ms"] = _summary([p.push_ms for p in pushes if p.replica == r["address"]])
         progress(f"[{backend}] plan push p50 / p99 {out['plan_push_ms']['p50']} / {out['plan_push_ms']['p99']} ms "
                  f"({len(pushes)} plans)")
+        for r, proc in zip(per_replica, procs):  # the replica's own part of it, its last minute's plans
+            r["plan_handoff_ms"] = await asyncio.to_thread(scrape_plan_handoffs, proc.config["metrics_listen"])
+        progress(f"[{backend}] plan created -> taken by gRPC, per replica (last minute, ms): "
+                 + ", ".join(f"p50 {r['plan_handoff_ms']['p50']} p99 {r['plan_handoff_ms']['p99']} "
+                             f"({r['plan_handoff_ms']['n']} plans)" for r in per_replica))
         if not failover:
             if redis is not None:
                 out["redis_memory"] = _redis_memory(redis)
@@ -864,6 +873,26 @@ async def run_phase(backend: str, folder: Path, replicas: int, workers: int, ste
             p.stop()
         if redis is not None:
             redis.stop()
+
+
+def scrape_plan_handoffs(address: str, timeout_s: float = 5.0) -> dict:
+    """``{"p50", "p99", "max"}`` (ms) and ``"n"`` of one replica's ``specctl_plan_handoff_seconds``: its
+    plans of the last minute, from ``created_at`` to gRPC taking them (blocking; None where it had none)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as reply:
+        text = reply.read().decode()
+    out: dict[str, Any] = {"p50": None, "p99": None, "max": None, "n": 0}
+    names = {"0.5": "p50", "0.99": "p99", "1": "max"}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "specctl_plan_handoff_seconds":
+                out[names[sample.labels["quantile"]]] = round(sample.value * 1000.0, 3)
+            elif sample.name == "specctl_plan_handoffs":
+                out["n"] = int(sample.value)
+    return out
 
 
 def scrape_drift_feed(address: str, timeout_s: float = 5.0) -> dict:
@@ -1024,6 +1053,7 @@ def summarize(phases: dict[str, dict], **setup) -> dict:
         report[f"alpha1_truth_{name}"] = p["convergence"]["alpha1_truth"]
         report[f"open_alerts_max_per_stratum_{name}"] = p["alerts"]["open_max_per_stratum"]
         report[f"plan_push_ms_per_replica_{name}"] = [r["plan_push_ms"] for r in p["replicas"]]
+        report[f"plan_handoff_ms_per_replica_{name}"] = [r.get("plan_handoff_ms") for r in p["replicas"]]
         report[f"cpu_per_1k_steps_marginal_{name}"] = p["cpu_per_1k_steps_marginal_ms"]
         report[f"cpu_util_idle_per_replica_{name}"] = [r["cpu_util_idle"] for r in p["replicas"]]
     if red:

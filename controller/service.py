@@ -37,7 +37,6 @@ import asyncio
 import gc
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -58,7 +57,6 @@ SERVICE_NAME = "speculation.v1.SpeculationController"
 PLAN_WAIT_FOR_WRITE_S = 1.0
 # Automatic garbage collection is never held longer than this (a writer that never takes its plan).
 GC_HOLD_MAX_S = 0.5
-PLAN_HANDOFFS_KEPT = 65_536  # SpeculationControllerServicer.plan_handoffs
 
 
 @dataclass(frozen=True)
@@ -233,9 +231,6 @@ class SpeculationControllerServicer:
         self.on_the_way = PlansOnTheWay(hold_gc=controller.config.gc.hold_during_plan_push)
         controller.plan_waiting = self.on_the_way.__bool__  # status slices yield to a plan's writer too
         self.reads_yielded = 0  # reads that let a plan's writer go first (a count, for the benchmark)
-        # (controller clock when gRPC took a Plan, ms since its created_at): the controller's own part of
-        # a plan's push latency, the rest being gRPC, the network and the worker (recent plans only).
-        self.plan_handoffs: deque[tuple[float, float]] = deque(maxlen=PLAN_HANDOFFS_KEPT)
         controller.on_hello.append(self._rebind_stream)
 
     # ------------------------------------------------------------- Connect
@@ -281,7 +276,7 @@ class SpeculationControllerServicer:
                 stream.taken()
                 if item.WhichOneof("payload") == "plan":
                     now = ctl.clock()
-                    self.plan_handoffs.append((now, (now - item.plan.created_at) * 1000.0))
+                    ctl.plan_handoffs.append((now, (now - item.plan.created_at) * 1000.0))
                 yield item  # gRPC comes back for the next item once this write has completed
                 stream.write_started_at = None
             if stream.ending is not None:

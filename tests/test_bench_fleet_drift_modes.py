@@ -135,6 +135,10 @@ def check_modes_report(report: dict) -> None:
             [0, *(n for sample in phase["alerts"]["samples"] for n in sample["open"].values())])
         feeds = phase["drift"]["feeds"]
         workers = {r["address"]: r["workers"] for r in phase["replicas"]}
+        for r in phase["replicas"]:  # its /metrics timed the plans it handed to gRPC in the last minute
+            handoff = r["plan_handoff_ms"]
+            if r["workers"]:
+                assert handoff["n"] >= r["workers"] and 0.0 <= handoff["p50"] <= handoff["p99"] <= handoff["max"], r
         assert set(feeds) == set(workers) and block["feeds_read"] == 2  # both replicas' /metrics answered
         assert block["monitor_request_steps"] == int(sum(f["monitor_request_steps"] for f in feeds.values())) > 0
         assert block["evidence_dropped"] == int(sum(f["dropped_request_steps"] for f in feeds.values()))

@@ -103,6 +103,12 @@ async def test_scrape_reports_acceptance_plans_and_rejections(server) -> None:
 
         m = await scrape(server)
         types = m["__types__"]
+        # Every plan gRPC took (the agent's plans, all within the last minute), timed from its created_at.
+        handoffs = [ms for _, ms in ctl.plan_handoffs]
+        assert [s.value for s in m["specctl_plan_handoffs"]] == [len(handoffs)] and len(handoffs) >= 1
+        quantiles = {s.labels["quantile"]: s.value for s in m["specctl_plan_handoff_seconds"]}
+        assert set(quantiles) == {"0.5", "0.99", "1"} and quantiles["1"] == pytest.approx(max(handoffs) / 1000.0)
+        assert 0.0 <= quantiles["0.5"] <= quantiles["0.99"] <= quantiles["1"]
         for name in ("specctl_draft_tokens", "specctl_accepted_tokens", "specctl_plan_pushes", "specctl_plan_acks",
                      "specctl_plan_nacks", "specctl_rejected_messages", "specctl_steps", "specctl_step_time_seconds"):
             assert types[name] == "counter", name
@@ -267,3 +273,17 @@ async def test_plan_cells_can_be_left_out() -> None:
     finally:
         agent.stop()
         await running.stop(0)
+
+
+def test_plan_handoffs_of_the_last_minute_only() -> None:
+    from controller.core import Controller
+    from controller.observe.metrics import PLAN_HANDOFF_WINDOW_S, take_snapshot
+    from policies.presets import load_preset
+
+    now = [1000.0]
+    ctl = Controller(ServerConfig(), load_preset("static"), clock=lambda: now[0])
+    assert take_snapshot(ctl).plan_handoff_ms == ()
+    ctl.plan_handoffs.extend([(1000.0 - PLAN_HANDOFF_WINDOW_S - 1.0, 40.0), (990.0, 2.0), (999.0, 3.0)])
+    assert sorted(take_snapshot(ctl).plan_handoff_ms) == [2.0, 3.0]
+    now[0] = 1000.0 + PLAN_HANDOFF_WINDOW_S - 5.0
+    assert take_snapshot(ctl).plan_handoff_ms == (3.0,)

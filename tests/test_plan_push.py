@@ -196,7 +196,7 @@ async def test_the_real_server_frees_a_stream_once_its_writes_complete() -> None
 
 
 async def test_the_servicer_times_each_plan_from_created_at_to_grpc_taking_it() -> None:
-    """``plan_handoffs``: per Plan gRPC takes, the controller clock then and the
+    """``Controller.plan_handoffs``: per Plan gRPC takes, the controller clock then and the
     ms since the plan's ``created_at`` (the controller's own part of a push);
     other messages on the stream (a receipt) add nothing."""
     servicer = _servicer()
@@ -216,11 +216,11 @@ async def test_the_servicer_times_each_plan_from_created_at_to_grpc_taking_it() 
         await a.report_step()
         await servicer.push_due_plans(10.0)
         plan = (await a.taken()).plan
-        assert list(servicer.plan_handoffs) == [(plan.created_at + 0.25, 250.0)]
+        assert list(servicer.controller.plan_handoffs) == [(plan.created_at + 0.25, 250.0)]
         a.complete_write()
         await _until(lambda: a.stream.write_started_at is None)
         servicer.send_receipts(0.0)
         assert (await a.taken()).WhichOneof("payload") == "receipt"
-        assert len(servicer.plan_handoffs) == 1
+        assert len(servicer.controller.plan_handoffs) == 1
     finally:
         await a.close()

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,6 +50,7 @@ log = logging.getLogger("specctl.controller")
 # CPU an all-workers status (Controller.status_async) may hold the event loop for before it yields:
 # one worker's entry costs up to ~3 ms with a refit, so a slice stays a few ms at any fleet size.
 STATUS_SLICE_S = 0.005
+PLAN_HANDOFFS_KEPT = 65_536  # Controller.plan_handoffs
 
 
 def _nothing_waiting() -> bool:
@@ -113,6 +114,10 @@ class Controller:
         # servicer's plans on the way); work done in slices (in_slices: status, the status page)
         # then yields after the worker in hand instead of at the end of its slice.
         self.plan_waiting: Callable[[], bool] = _nothing_waiting
+        # (clock when gRPC took a Plan, ms since its created_at), written by the servicer's stream
+        # writers: the controller's own part of a plan's push latency, the rest being gRPC, the
+        # network and the worker (recent plans only; /metrics: specctl_plan_handoff_seconds).
+        self.plan_handoffs: deque[tuple[float, float]] = deque(maxlen=PLAN_HANDOFFS_KEPT)
         # (worker id, drafter kind, drafter version) -> WorkerState.accept_counts
         self.accept_counts: dict[tuple[str, str, str], dict[tuple[int, int, int], int]] = {}
         # worker id -> the fitted cost model and plan of its last status, with what they were built from.

@@ -46,6 +46,8 @@ from controller.observe.metrics_gc import gc_families, gc_pauses
 from policies.table import Decision, DecisionTable
 from protos.speculation.v1 import controller_pb2, plan_pb2
 
+PLAN_HANDOFF_WINDOW_S = 60.0  # specctl_plan_handoff_seconds: the plans of the last minute
+
 if TYPE_CHECKING:
     from controller.alerts.alerting import DriftAlerting
     from controller.core import Controller, WorkerState
@@ -177,6 +179,8 @@ class MetricsSnapshot:
     drift: DriftFacts | None
     plan_cells: bool
     fleet: dict[str, Any] | None = None  # FleetReplica.status() (state.backend: redis)
+    # ms from created_at to gRPC taking it, of the plans handed over in the last PLAN_HANDOFF_WINDOW_S
+    plan_handoff_ms: tuple[float, ...] = ()
 
 
 def mean_context_len(state: "WorkerState") -> float:
@@ -230,12 +234,14 @@ def take_snapshot(controller: "Controller", history: "StatusHistory | None" = No
             [(a.id, a.drafter_kind, a.drafter_version, a.stratum, a.action.value, a.severity.value, a.score)
              for a in monitor.open_alerts()],
             monitor.snapshot(), tuple(monitor.config.drops), alerting.stats())
+    handed_since = now - PLAN_HANDOFF_WINDOW_S
+    handoffs = tuple(ms for at, ms in reversed(controller.plan_handoffs) if at >= handed_since)
     return MetricsSnapshot(
         tuple(controller.context_edges), workers,
         [(key, dict(counts)) for key, counts in controller.accept_counts.items()],
         dict(controller.rejections), controller.policy_reloads, controller.policy_reload_failures,
         history.latest_speedups() if history is not None else {}, controller.streams_superseded,
-        controller.workers_expired, drift, plan_cells, fleet.status() if fleet is not None else None)
+        controller.workers_expired, drift, plan_cells, fleet.status() if fleet is not None else None, handoffs)
 
 
 def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
@@ -244,6 +250,7 @@ def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
     yield from _classes(snap)
     yield from _acceptance(snap)
     yield from _plans(snap)
+    yield from _plan_handoffs(snap.plan_handoff_ms)
     yield from _rejections(snap)
     if snap.drift is not None:
         yield from _drift(snap.drift)
@@ -540,6 +547,26 @@ def _plans(snap: MetricsSnapshot) -> Iterable[Metric]:
     yield from (depth_now, width_now, enabled_now, version, acked, estimated, speedup, pushed, acks, used, nacks)
     if snap.plan_cells:
         yield from (depth, width)
+
+
+def _plan_handoffs(handoff_ms: Sequence[float]) -> Iterable[Metric]:
+    """The controller's own part of a plan's push latency: from the plan's ``created_at`` to the
+    moment its stream's writer handed it to gRPC, over the plans of the last minute (none: no
+    samples). What a worker measures beyond it is gRPC, the network and the worker itself.
+
+    >>> [(s.labels, round(s.value, 4)) for m in _plan_handoffs([1.0, 2.0, 3.0, 10.0]) for s in m.samples]
+    [({'quantile': '0.5'}, 0.0025), ({'quantile': '0.99'}, 0.0098), ({'quantile': '1'}, 0.01), ({}, 4.0)]
+    """
+    seconds = GaugeMetricFamily("specctl_plan_handoff_seconds",
+                                "Plan created -> taken by gRPC for writing, over the plans of the last minute.",
+                                labels=["quantile"])
+    count = GaugeMetricFamily("specctl_plan_handoffs", "Plans taken by gRPC for writing in the last minute.")
+    if handoff_ms:
+        for label, q in (("0.5", 50), ("0.99", 99), ("1", 100)):
+            seconds.add_metric([label], float(np.percentile(handoff_ms, q)) / 1000.0)
+    count.add_metric([], float(len(handoff_ms)))
+    yield seconds
+    yield count
 
 
 def _rejections(snap: MetricsSnapshot) -> Iterable[Metric]:
