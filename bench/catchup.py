@@ -49,7 +49,7 @@ import torch
 from policies.table import Decision
 from worker.reference.threads import set_threads
 
-__all__ = ["CatchUpRow", "DEFAULT_WINDOWS", "SETTINGS", "parse_windows", "run_catchup_bench"]
+__all__ = ["CatchUpRow", "DEFAULT_WINDOWS", "SETTINGS", "check_windows", "parse_windows", "run_catchup_bench"]
 
 DEFAULT_WINDOWS = (0, 256, 64, 32, 16)
 SETTINGS = ("start", "resume", "long")
@@ -121,6 +121,12 @@ def parse_windows(text: str) -> tuple[int, ...]:
         windows = tuple(int(w) for w in text.split(","))
     except ValueError:
         raise ValueError(f"expected comma-separated whole numbers of pairs, got {text!r}") from None
+    return check_windows(windows)
+
+
+def check_windows(windows) -> tuple[int, ...]:
+    """``windows`` as a tuple of ints, if 0 (the unbounded reference) is among them, each once, none negative."""
+    windows = tuple(int(w) for w in windows)
     if 0 not in windows or any(w < 0 for w in windows) or len(set(windows)) != len(windows):
         raise ValueError(f"windows must hold 0 (unbounded, the reference), each once, none negative; got {windows}")
     return windows
@@ -144,7 +150,7 @@ def run_catchup_bench(heads_dir: str, out_dir: str = "bench/results", model_name
     from worker.reference.prompts import chat_ids
     from worker.reference.server import build_drafter
 
-    windows = parse_windows(",".join(str(w) for w in windows))
+    windows = check_windows(windows)
     unknown = set(settings) - set(SETTINGS)
     if unknown:
         raise ValueError(f"settings: unknown {sorted(unknown)}, expected some of {SETTINGS}")

@@ -109,7 +109,7 @@ def _observe(evidence: EvidenceBuffer, pooled: list | None, typical: list | None
     chains: dict[tuple, int] = {}  # strict sinks summed: the pooled model's
     offers: dict[tuple, list[int]] = {}
     for sink in range(SINKS):
-        strict = sink != SINKS - 1  # TYPICAL_SINK is the last index
+        strict = sink != TYPICAL_SINK
         target = by_state.get(sink) if strict else typical
         for bucket, ranks, cands in evidence.trees[sink]:
             if target is not None:

@@ -242,7 +242,8 @@ class Counters:
             setattr(self, f.name, getattr(previous, f.name))
 
 
-TYPICAL_SINK = -1  # EvidenceBuffer's sink of the typical rule's evidence: the last (strict ones are request states)
+# EvidenceBuffer's sinks: the request states (policies.outcome.STATES, strict rule), then the typical rule's.
+TYPICAL_SINK = len(STATES)
 SINKS = len(STATES) + 1
 
 

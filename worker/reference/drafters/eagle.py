@@ -97,7 +97,6 @@ class EagleDrafter:
         self.version = bundle.version
         self.limits = DrafterLimits(self.kind, self.version, max_depth, max_width, max(max_depth, max_tree_nodes),
                                     int(bundle.meta.get("trained_context_len", 0)))
-        self.catch_up_window: int | None = None
         self.set_catch_up_window(catch_up_window)
         layer = self.head.layer
         self._kv_shape = (layer.kv_heads, layer.head_dim)
@@ -112,8 +111,12 @@ class EagleDrafter:
         window is lossless; what it costs is acceptance (docs/reference-worker.md)."""
         if window is not None and window < 1:
             raise ValueError(f"catch_up_window must be >= 1 pairs or None (all), got {window!r}")
-        self.catch_up_window = window
         self.limits = replace(self.limits, catch_up_window=window or 0)
+
+    @property
+    def catch_up_window(self) -> int | None:
+        """Pairs a catch-up runs at most (None: all); set with :meth:`set_catch_up_window`."""
+        return self.limits.catch_up_window or None
 
     # ------------------------------------------------------------ helpers
     def _emb(self, tokens: list[int]) -> torch.Tensor:
