@@ -57,10 +57,13 @@ verification, Python overhead: everything). ``tokens_per_cpu_s``: the same
 over the CPU time of the configuration's thread (``time.thread_time``;
 torch runs one intra-op thread, in that thread). On a machine shared with
 other processes the wall clock swings by tens of percent from minute to minute,
-while CPU time only counts the cycles the engine got, so
+while CPU time only counts the cycles the engine got, so on the CPU
 ``speedup_vs_plain`` is computed on CPU time and ``speedup_vs_plain_wall``
 on wall time; both against the mean of the two plain configurations of the
-same batch. ``mean_accepted``: mean τ per row-step.
+same batch. Off the CPU (``--device cuda``) the thread's CPU time misses the
+device's work (a step waits for it, and a wait is not CPU time on every
+driver), so there ``speedup_vs_plain`` is on wall time too;
+``speedup_basis`` in the JSON says which. ``mean_accepted``: mean τ per row-step.
 ``lossless``: every output equals the plain run's token for token.
 
 ``static_vs_controller`` in the JSON: per learned drafter and batch size, the
@@ -70,6 +73,19 @@ runs), the best chain and the best tree, the cold and warm controller and
 their ratios to the best static one and to max(best static, plain); and,
 reported, not a gate, the warm controller's share of the best oracle
 speedup of that batch.
+
+The confirmation pass (``confirm``, on by default): the speed of the best
+of seven noisy runs overstates what that shape is worth (the winner's
+curse), while each controller run is a single unselected measurement. So
+after each batch's lockstep, the shape picked in hindsight for each learned
+drafter decodes the same prompts again, in a second, shorter lockstep
+between a plain run and a plain repeat of its own (``confirm-plain``,
+``confirm-<shape>``, ``confirm-plain-repeat``; speedups against that pass's
+plain runs): ``best_static_confirmed_speedup``, and the controllers'
+``{cold,warm}_vs_confirmed_best_static_or_plain`` against max(it, plain), an
+estimate of the picked shape's worth that its own selection did not pick.
+The controllers are not run again: a second timed run would start from
+what the first taught them.
 
 ``acceptance_warmup_vs_eval`` in the JSON: per learned drafter and batch
 size, its acceptance on the warm-up prompts (counted while the warm
@@ -95,7 +111,7 @@ import torch
 from policies.table import Decision
 from worker.reference.threads import inherit_threads, set_threads
 
-__all__ = ["DEFAULT_DEPTHS", "DEFAULT_TREES", "EngineRun", "PositionAcceptance", "acceptance_warmup_vs_eval",
+__all__ = ["CONFIRM", "DEFAULT_DEPTHS", "best_static_name", "DEFAULT_TREES", "EngineRun", "PositionAcceptance", "acceptance_warmup_vs_eval",
            "engine_controller_config",
            "eval_and_warmup_prompts", "eval_prompts", "eval_acceptance_shape", "run_engine_bench", "static_shapes",
            "static_vs_controller"]
@@ -107,7 +123,7 @@ class EngineRun:
     policy: str
     batch: int
     tokens_per_s: float
-    speedup_vs_plain: float  # on engine-thread CPU time (see module docstring)
+    speedup_vs_plain: float  # on engine-thread CPU time; on wall time off the CPU (module docstring)
     mean_accepted: float
     lossless: bool
     tokens: int
@@ -395,11 +411,12 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      drafters=("ngram", "medusa", "eagle", "oracle"), policy: str = "goodput",
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True,
                      warmup_prompts: int = 8, kernels: str = "tuned", calibrate: bool = True,
-                     trees=DEFAULT_TREES, controller_overrides: dict | None = None) -> int:
+                     trees=DEFAULT_TREES, controller_overrides: dict | None = None, confirm: bool = True) -> int:
     """The benchmark; see the module docstring. ``warmup_prompts`` = 0: no warm
     controller (the cold one only). ``controller_overrides``: controller config
     sections for both controllers (:func:`engine_controller_config`; recorded
-    in the JSON as ``controller_config``)."""
+    in the JSON as ``controller_config``). ``confirm``: time each drafter's
+    best static shape again in a pass of its own (module docstring)."""
     from controller.background import BackgroundController
     from worker.reference.drafters.oracle import OracleDrafter
     from worker.reference.engine.engine import Engine, static_decide
@@ -413,6 +430,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     items, warm_items = eval_and_warmup_prompts(prompts, warmup_prompts)
     lm = load_model(model_name, tune_kernels=kernels == "tuned")
     model, tok = lm.model, lm.tokenizer
+    device = next(model.parameters()).device
+    basis = "cpu" if device.type == "cpu" else "wall"
     for p in model.parameters():
         p.requires_grad_(False)
     # With tuned kernels, plain decoding on torch's default kernels runs beside the
@@ -497,6 +516,14 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                 # transformers' generate, batch 1 only: plain greedy (k = 0) and prompt lookup at each depth
                 hf_depths = (0, *depths) if batch == 1 else ()
                 _lockstep(model, Engine, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies)
+                if confirm and learned:
+                    # The hindsight pick of each drafter, timed again between plain runs of its own.
+                    picked = {d: best_static_name(tallies, d, batch, basis) for d in learned}
+                    again = [("none", f"{CONFIRM}plain", None, None, None)]
+                    again += [(d, f"{CONFIRM}{name}", built[d], static_decide(dict(shapes[d])[name]), None)
+                              for d, name in picked.items() if name]
+                    again.append(("none", f"{CONFIRM}plain-repeat", None, None, None))
+                    _lockstep(model, Engine, again, (), ids, reference, batch, max_new_tokens, tallies)
                 for tag, agents in (("cold", cold_agents), ("warm", warm_agents)):
                     for d, agent in agents.items():
                         tallies[(d, f"{policy}-{tag}", batch)].note = (
@@ -519,15 +546,17 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
     runs = [t.run(name, pol, batch) for (name, pol, batch), t in tallies.items()]
     for r in runs:
-        plain = [tallies[(n, p, r.batch)] for n, p in (("none", "plain"), ("none", "plain-repeat"))
-                 if (n, p, r.batch) in tallies]
+        own = CONFIRM if r.policy.startswith(CONFIRM) else ""  # a confirmation run: its own pass's plain runs
+        plain = [tallies[(n, own + p, r.batch)] for n, p in (("none", "plain"), ("none", "plain-repeat"))
+                 if (n, own + p, r.batch) in tallies]
         base = sum(t.tokens / t.secs for t in plain) / len(plain)
         base_cpu = sum(t.tokens / t.cpu for t in plain) / len(plain)
         r.speedup_vs_plain_wall = round(r.tokens_per_s / base, 3)
-        r.speedup_vs_plain = round(r.tokens_per_cpu_s / base_cpu, 3)
+        r.speedup_vs_plain = round(r.tokens_per_cpu_s / base_cpu, 3) if basis == "cpu" else r.speedup_vs_plain_wall
         hf_plain = tallies.get(("hf-generate", "plain", r.batch))
         if r.drafter.startswith("hf-") and hf_plain is not None:
-            r.speedup_vs_hf_plain = round(r.tokens_per_cpu_s / (hf_plain.tokens / hf_plain.cpu), 3)
+            r.speedup_vs_hf_plain = round(r.tokens_per_cpu_s / (hf_plain.tokens / hf_plain.cpu) if basis == "cpu"
+                                          else r.tokens_per_s / (hf_plain.tokens / hf_plain.secs), 3)
     summary = static_vs_controller(runs, policy)
     acceptance = acceptance_warmup_vs_eval(
         warmup_acceptance, eval_acceptance,
@@ -537,6 +566,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "prompts": [p.id for p in items],
         "max_new_tokens": max_new_tokens,
         "threads": torch.get_num_threads(),
+        "device": str(device),
+        "speedup_basis": basis,
         "policy": policy,
         "controller_warmup_prompts": [p.id for p in warm_items] if warm_agents else [],
         "controller_warmup_source": WARMUP_SOURCE if warm_agents else "",
@@ -561,6 +592,22 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     _print_acceptance(acceptance)
     print(f"wrote {out / 'engine.json'}" + (f" and {out / 'engine.png'}" if plot else ""))
     return 0
+
+
+CONFIRM = "confirm-"  # policy prefix of the confirmation pass's runs
+
+
+def _rate(t: "_Tally", basis: str) -> float:
+    """Tokens per second of ``t`` on the benchmark's basis (engine-thread CPU time, or wall time)."""
+    return t.tokens / (t.cpu if basis == "cpu" else t.secs)
+
+
+def best_static_name(tallies, drafter: str, batch: int, basis: str = "cpu") -> str:
+    """The policy name of ``drafter``'s fastest static run at ``batch`` in
+    ``tallies`` ("" when it had none): the shape the confirmation pass times again."""
+    static = [(pol, t) for (d, pol, b), t in tallies.items()
+              if d == drafter and b == batch and pol.startswith("static-") and t.tokens]
+    return max(static, key=lambda kv: _rate(kv[1], basis))[0] if static else ""
 
 
 def static_vs_controller(runs, policy: str) -> list[dict]:
@@ -593,6 +640,11 @@ def static_vs_controller(runs, policy: str) -> list[dict]:
             row[f"{tag}_vs_best_static"] = round(c.speedup_vs_plain / best.speedup_vs_plain, 3) if c else None
             row[f"{tag}_vs_best_static_or_plain"] = (round(c.speedup_vs_plain / max(best.speedup_vs_plain, 1.0), 3)
                                                      if c else None)
+        again = next((r for r in rs if r.policy == CONFIRM + best.policy), None)
+        row["best_static_confirmed_speedup"] = again.speedup_vs_plain if again else None
+        for tag in ("cold", "warm"):
+            row[f"{tag}_vs_confirmed_best_static_or_plain"] = (
+                round(row[tag] / max(again.speedup_vs_plain, 1.0), 3) if again and row[tag] is not None else None)
         ctl = row["warm"] if row["warm"] is not None else row["cold"]
         row["share_of_oracle"] = round(ctl / max(oracle), 3) if oracle and ctl is not None else None
         row["lossless"] = all(r.lossless for r in rs)
@@ -788,8 +840,9 @@ class _SteppedGenerate(_TurnThread):
 
     def _body(self) -> None:
         self._own = threading.get_ident()  # the hook parks this thread only
+        device = next(self.model.parameters()).device
         for p in self.ids:
-            x = torch.tensor([p])
+            x = torch.tensor([p], device=device)
             y = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                     max_new_tokens=self.max_new_tokens, prompt_lookup_num_tokens=self.k or None)
             self.outputs.append(y[0, len(p):].tolist())
@@ -855,13 +908,18 @@ def _print_table(runs) -> None:
 def _print_summary(summary) -> None:
     if not summary:
         return
-    print(f"\n{'drafter':8} {'batch':>5} {'best static (hindsight)':>26} {'cold':>6} {'warm':>6} "
-          f"{'cold/best':>9} {'warm/best':>9}")
+    def num(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    print(f"\n{'drafter':8} {'batch':>5} {'best static (hindsight)':>26} {'again':>6} {'cold':>6} {'warm':>6} "
+          f"{'cold/best':>9} {'warm/best':>9} {'cold/again':>10} {'warm/again':>10}  (/again: against max(again, "
+          "plain))")
     for s in summary:
-        cold, warm = (f"{s[k]:.3f}" if s[k] is not None else "-" for k in ("cold", "warm"))
-        rc, rw = (f"{s[k]:.3f}" if s[k] is not None else "-" for k in ("cold_vs_best_static", "warm_vs_best_static"))
         best = f"{s['best_static']} {s['best_static_speedup']:.3f}"
-        print(f"{s['drafter']:8} {s['batch']:>5} {best:>26} {cold:>6} {warm:>6} {rc:>9} {rw:>9}")
+        print(f"{s['drafter']:8} {s['batch']:>5} {best:>26} {num(s.get('best_static_confirmed_speedup')):>6} "
+              f"{num(s['cold']):>6} {num(s['warm']):>6} {num(s['cold_vs_best_static']):>9} "
+              f"{num(s['warm_vs_best_static']):>9} {num(s.get('cold_vs_confirmed_best_static_or_plain')):>10} "
+              f"{num(s.get('warm_vs_confirmed_best_static_or_plain')):>10}")
 
 
 def _print_acceptance(rows) -> None:
@@ -892,7 +950,8 @@ def _plot(runs, path: Path, batches) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    per_batch = {b: [r for r in runs if r.batch == b and r.policy != "plain-repeat"] for b in batches}
+    per_batch = {b: [r for r in runs if r.batch == b and r.policy != "plain-repeat" and not r.policy.startswith(CONFIRM)]
+                 for b in batches}
     width = max(8.0, 0.32 * max(len(rs) for rs in per_batch.values()))
     fig, axes = plt.subplots(len(batches), 1, figsize=(width, 4.6 * len(batches)), squeeze=False)
     colors = {"none": "#888888", "hf-generate": "#ccaa77", "hf-prompt-lookup": "#bb8844", "ngram": "#4477aa",
@@ -914,10 +973,14 @@ def _plot(runs, path: Path, batches) -> None:
         ax.set_xticks(range(len(rs)))
         ax.set_xticklabels(labels, rotation=70, fontsize=6)
         ax.set_title(f"batch {batch}: static chains (solid), static trees (light), controller cold (//) and "
-                     f"warm (xx)", fontsize=9)
+                     f"warm (xx); red: the best static shape timed again", fontsize=9)
         ax.set_ylabel("speedup vs plain greedy, same batch\n(engine CPU time); labels: tok/s (wall)", fontsize=8)
+        again = {r.drafter + r.policy.removeprefix(CONFIRM): r for r in runs
+                 if r.batch == batch and r.policy.startswith(CONFIRM + "static-")}
         for i, r in enumerate(rs):
             ax.text(i, r.speedup_vs_plain + 0.02, f"{r.tokens_per_s:.0f}", ha="center", fontsize=5)
+            if r.drafter + r.policy in again:  # the hindsight pick timed again: a red bar across it
+                ax.plot([i - 0.4, i + 0.4], [again[r.drafter + r.policy].speedup_vs_plain] * 2, color="#cc2222", lw=1.4)
     fig.suptitle("specctl reference engine, SmolLM2-135M on this CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -12,28 +12,12 @@ from pathlib import Path
 
 from worker.reference.threads import set_threads
 
-# Drafters whose heads (and the head training) run on the CPU only: their
-# tensors are made there and they read the target's hidden states and
-# embeddings, so a target elsewhere would meet them on two devices.
-CPU_ONLY_DRAFTERS = ("medusa", "eagle")
-
-
-def _use_device(command: str, device: str, cpu_only: list[str]) -> bool:
-    """Make ``device`` the default of ``load_model`` for this process; False
-    (after saying why) when torch cannot use it or ``cpu_only`` (what the
-    command would run that stays on the CPU) is not empty off the CPU."""
-    import torch
-
+def _use_device(command: str, device: str) -> bool:
+    """Make ``device`` the default of ``load_model`` for this process (the
+    drafters' heads and their training follow the target there); False, after
+    saying why, when torch cannot use it."""
     from worker.reference.models import set_default_device
 
-    try:
-        off_cpu = torch.device(device).type != "cpu"
-    except (RuntimeError, ValueError, TypeError):
-        off_cpu = True  # set_default_device says what is wrong with it
-    if off_cpu and cpu_only:
-        print(f"specctl {command}: --device {device}: {', '.join(cpu_only)} run on the CPU only "
-              "(their heads and training are not device-aware yet); use --device cpu", file=sys.stderr)
-        return False
     try:
         set_default_device(device)
     except ValueError as err:
@@ -46,7 +30,7 @@ def _train_heads(args: argparse.Namespace) -> int:
     from worker.reference.heads import TrainConfig, train_heads
     from worker.reference.models import ModelUnavailableError
 
-    if not _use_device("train-heads", args.device, [f"{args.drafter} heads"]):
+    if not _use_device("train-heads", args.device):
         return 2
     set_threads(args.threads)
     cfg = TrainConfig(kind=args.drafter, epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
@@ -89,7 +73,7 @@ def _worker(args: argparse.Namespace) -> int:
     except ClientSecurityError as err:
         print(f"specctl worker: {err}", file=sys.stderr)
         return 2
-    if not _use_device("worker", args.device, [d for d in [args.drafter] if d in CPU_ONLY_DRAFTERS]):
+    if not _use_device("worker", args.device):
         return 2
     try:
         controller = controller_targets(args)
@@ -128,7 +112,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(f"specctl calibrate: {message}", file=sys.stderr)
         return 2
 
-    if not _use_device("calibrate", args.device, []):
+    if not _use_device("calibrate", args.device):
         return 2
     device = default_device()
     defaults = DEFAULT_GRIDS["cpu" if device.type == "cpu" else "cuda"]
@@ -190,7 +174,7 @@ KERNELS_HELP = ("linear-layer kernels on the CPU: 'tuned' (row-count-aware, time
                 "worker.reference.engine.kernels) or 'default' (torch's F.linear)")
 DEVICE_HELP = ("torch device of the target model and its KV cache (default cpu; e.g. cuda, cuda:1). Off the CPU "
                "tree verification runs through cascade attention (worker.reference.engine.cascade) and the tuned "
-               "CPU kernels are not used; medusa and eagle heads run on the CPU only")
+               "CPU kernels are not used; medusa and eagle heads run (and train) where the target is")
 
 
 def add_worker_commands(sub) -> None:
@@ -233,7 +217,8 @@ def add_worker_commands(sub) -> None:
                     help="torch threads while the heads train (default 0: --threads); alone on the machine, "
                          "its core count")
     th.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
-    th.add_argument("--device", default="cpu", help=DEVICE_HELP + " (so train-heads takes cpu only for now)")
+    th.add_argument("--device", default="cpu", help=DEVICE_HELP + " (off the CPU the answers come from this "
+                    "process alone: --jobs is 1)")
     th.set_defaults(func=_train_heads)
 
     wk = sub.add_parser("worker", help="reference worker: real model + drafter, HTTP generate endpoint, agent")
@@ -325,7 +310,11 @@ def add_bench_engine_options(bench) -> None:
     g.add_argument("--heads", help="heads directory (default: cached, trained on first use)")
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
-    g.add_argument("--device", default="cpu", help=DEVICE_HELP + " (off the CPU: --drafters without them)")
+    g.add_argument("--device", default="cpu", help=DEVICE_HELP + " (off the CPU speedups are on wall time: "
+                   "a thread's CPU time does not count the device's work)")
+    g.add_argument("--no-confirm", dest="confirm", action="store_false",
+                   help="skip the confirmation pass (each drafter's best static shape timed again between plain "
+                        "runs of its own, against the winner's curse of a best-of-seven pick)")
     g.add_argument("--warmup-prompts", type=int, default=8,
                    help="held-out prompts outside the evaluation set that the warm controller decodes untimed "
                         "before each batch size (default 8; 0 = the cold controller only)")
@@ -334,7 +323,7 @@ def add_bench_engine_options(bench) -> None:
 def bench_engine(args: argparse.Namespace) -> int:
     from bench.engine import run_engine_bench
 
-    if not _use_device("bench engine", args.device, [d for d in args.drafters.split(",") if d in CPU_ONLY_DRAFTERS]):
+    if not _use_device("bench engine", args.device):
         return 2
     overrides = _controller_overrides(getattr(args, "config", None))
     if overrides is None:
@@ -344,7 +333,7 @@ def bench_engine(args: argparse.Namespace) -> int:
         prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         depths=tuple(int(d) for d in args.depths.split(",")), drafters=tuple(args.drafters.split(",")),
         policy=args.engine_policy, threads=args.threads, heads_dir=args.heads, warmup_prompts=args.warmup_prompts,
-        kernels=args.kernels, trees=_tree_shapes(args.trees), controller_overrides=overrides)
+        kernels=args.kernels, trees=_tree_shapes(args.trees), controller_overrides=overrides, confirm=args.confirm)
 
 
 def _controller_overrides(path: str | None) -> dict | None:

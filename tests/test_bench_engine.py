@@ -180,7 +180,9 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
                 ("ngram", "static-d2"), ("ngram", "static-d2w2n3"), ("ngram", "goodput-cold"),
                 ("ngram", "goodput-warm"), ("oracle", "static-d2")}
     for batch in (1, 2):
-        assert {(d, p) for d, p, b in runs if b == batch and not d.startswith("hf-")} == expected
+        picked = next(s["best_static"] for s in result["static_vs_controller"] if s["batch"] == batch)
+        confirmation = {("none", "confirm-plain"), ("ngram", f"confirm-{picked}"), ("none", "confirm-plain-repeat")}
+        assert {(d, p) for d, p, b in runs if b == batch and not d.startswith("hf-")} == expected | confirmation
     assert {("hf-generate", "plain", 1), ("hf-prompt-lookup", "static-d2", 1)} <= set(runs)
     assert all(r["lossless"] and r["tokens"] == 12 and r["tokens_per_cpu_s"] > 0 for r in runs.values())
     assert runs[("oracle", "static-d2", 1)]["mean_accepted"] > 1.0  # replays the target's own continuation
@@ -228,4 +230,28 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
             assert s[f"{tag}_vs_best_static"] == pytest.approx(s[tag] / s["best_static_speedup"], abs=2e-3)
         assert s["share_of_oracle"] == pytest.approx(s["warm"] / runs[("oracle", "static-d2", b)]["speedup_vs_plain"],
                                                      abs=2e-3)
+        # The hindsight pick timed again, against the plain runs of its own pass.
+        again = runs[("ngram", f"confirm-{s['best_static']}", b)]
+        plain_again = [runs[("none", p, b)]["tokens_per_cpu_s"] for p in ("confirm-plain", "confirm-plain-repeat")]
+        assert again["speedup_vs_plain"] == pytest.approx(again["tokens_per_cpu_s"] / (sum(plain_again) / 2), abs=2e-3)
+        assert s["best_static_confirmed_speedup"] == again["speedup_vs_plain"]
+        for tag in ("cold", "warm"):
+            assert s[f"{tag}_vs_confirmed_best_static_or_plain"] == pytest.approx(
+                s[tag] / max(again["speedup_vs_plain"], 1.0), abs=2e-3)
     assert (tmp_path / "engine.png").stat().st_size > 0
+
+
+def test_the_confirmation_pass_times_the_fastest_static_run_on_the_benchmark_basis():
+    from bench.engine import _Tally, best_static_name
+
+    def tally(tokens, cpu, secs):
+        t = _Tally()
+        t.tokens, t.cpu, t.secs = tokens, cpu, secs
+        return t
+
+    tallies = {("eagle", "static-d1", 4): tally(100, 2.0, 4.0), ("eagle", "static-d2w4n5", 4): tally(100, 2.5, 3.0),
+               ("eagle", "goodput-warm", 4): tally(100, 1.0, 1.0), ("medusa", "static-d1", 4): tally(100, 0.5, 0.5),
+               ("eagle", "static-d4", 8): tally(100, 0.5, 0.5)}
+    assert best_static_name(tallies, "eagle", 4) == "static-d1"  # CPU time; never a controller run
+    assert best_static_name(tallies, "eagle", 4, basis="wall") == "static-d2w4n5"
+    assert best_static_name(tallies, "ngram", 4) == ""

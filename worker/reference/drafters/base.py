@@ -155,8 +155,9 @@ def draft_lm_head(model, vocab_map: torch.Tensor) -> torch.nn.Linear:
     """The target's LM head restricted to the draft vocabulary (frozen copies of
     its rows): what Medusa and EAGLE heads score their guesses with. A layer, not
     a bare matrix, so the engine's kernel tuning reaches it too."""
-    rows = model.get_output_embeddings().weight.detach()[vocab_map].to(torch.float32)
-    head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    weight = model.get_output_embeddings().weight.detach()
+    rows = weight[vocab_map.to(weight.device)].to(torch.float32)  # on the target's device, as its features
+    head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device)
     head.weight = torch.nn.Parameter(rows, requires_grad=False)
     return head.eval()
 

@@ -65,13 +65,13 @@ class _Node:
 
 
 def _pad_stack(tensors: list[torch.Tensor | None], shape_tail: tuple[int, ...], length: int,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad ``[H, S_i, D]`` tensors to ``[B, H, length, D]`` + bool valid ``[B, length]``."""
+               dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad ``[H, S_i, D]`` tensors to ``[B, H, length, D]`` + bool valid ``[B, length]`` on ``device``."""
     h, d = shape_tail
     if all(t is not None and t.shape[1] == length for t in tensors):  # nothing to pad (always so at batch 1)
-        return torch.stack(tensors), torch.ones(len(tensors), length, dtype=torch.bool)
-    out = torch.zeros(len(tensors), h, length, d, dtype=dtype)
-    valid = torch.zeros(len(tensors), length, dtype=torch.bool)
+        return torch.stack(tensors), torch.ones(len(tensors), length, dtype=torch.bool, device=device)
+    out = torch.zeros(len(tensors), h, length, d, dtype=dtype, device=device)
+    valid = torch.zeros(len(tensors), length, dtype=torch.bool, device=device)
     for i, t in enumerate(tensors):
         if t is not None and t.shape[1]:
             s = t.shape[1]
@@ -88,8 +88,10 @@ class EagleDrafter:
                  max_tree_nodes: int = 32, catch_up_window: int | None = None) -> None:
         if bundle.kind != "eagle":
             raise ValueError(f"EagleDrafter needs eagle heads, got {bundle.kind}")
-        self.head: EagleHead = bundle.module.eval()
-        self.vocab_map = bundle.vocab_map
+        # Where the target is: the head reads its features and embeddings there (``bundle.module`` moves).
+        self.device = next(model.parameters()).device
+        self.head: EagleHead = bundle.module.to(self.device).eval()
+        self.vocab_map = bundle.vocab_map.to(self.device)
         # Every torch layer that drafting runs (``worker.reference.engine.kernels.tune_model`` may swap
         # their linears, so they are always reached through this dict).
         self.layers = torch.nn.ModuleDict({"head": self.head, "lm_head": draft_lm_head(model, bundle.vocab_map)})
@@ -119,9 +121,6 @@ class EagleDrafter:
         return self.limits.catch_up_window or None
 
     # ------------------------------------------------------------ helpers
-    def _emb(self, tokens: list[int]) -> torch.Tensor:
-        return self.embed(torch.tensor(tokens, dtype=torch.long)).float()
-
     def _run(self, states: list[_State], feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
              local_k: torch.Tensor | None, local_v: torch.Tensor | None, local_mask: torch.Tensor):
         """Head forward for ``B`` rows of ``T`` queries each.
@@ -132,8 +131,8 @@ class EagleDrafter:
         """
         b, t, _ = feats.shape
         s = max((st.k.shape[1] if st.k is not None else 0 for st in states), default=0)
-        past_k, past_valid = _pad_stack([st.k for st in states], self._kv_shape, s, feats.dtype)
-        past_v, _ = _pad_stack([st.v for st in states], self._kv_shape, s, feats.dtype)
+        past_k, past_valid = _pad_stack([st.k for st in states], self._kv_shape, s, feats.dtype, self.device)
+        past_v, _ = _pad_stack([st.v for st in states], self._kv_shape, s, feats.dtype, self.device)
         if local_k is not None:
             past_k = torch.cat([past_k, local_k], dim=2)
             past_v = torch.cat([past_v, local_v], dim=2)
@@ -197,16 +196,18 @@ class EagleDrafter:
             return {}
         t = max(h.shape[0] for _, _, h, _ in rows)
         d = rows[0][2].shape[1]
-        feats = torch.zeros(len(rows), t, d)
-        tokens = torch.zeros(len(rows), t, dtype=torch.long)
-        positions = torch.zeros(len(rows), t, dtype=torch.long)
-        causal = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        feats = torch.zeros(len(rows), t, d, device=self.device)  # filled from the target's features, in place
+        # Token ids and positions are built on the host and copied over once each.
+        tokens = torch.zeros(len(rows), t, dtype=torch.long, device="cpu")
+        positions = torch.zeros(len(rows), t, dtype=torch.long, device="cpu")
+        causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=self.device))
         local = causal.repeat(len(rows), 1, 1)
         for r, (ctx, st, hidden, first) in enumerate(rows):
             m = hidden.shape[0]
             feats[r, :m] = hidden.float()
-            tokens[r, :m] = torch.tensor(ctx.tokens[first + 1 : first + 1 + m])
-            positions[r] = first + torch.arange(t)
+            tokens[r, :m] = torch.tensor(ctx.tokens[first + 1 : first + 1 + m], device="cpu")
+            positions[r] = first + torch.arange(t, device="cpu")
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         out, k, v = self._run([st for _, st, _, _ in rows], feats, self.embed(tokens).float(), positions,
                               None, None, local)
         for r, (ctx, st, hidden, first) in enumerate(rows):
@@ -257,21 +258,23 @@ class EagleDrafter:
             t = max(len(frontier[r]) for r in rows)
             e = max(len(local_k[r]) for r in rows)
             dim = root_feats.shape[1]
-            feats = torch.zeros(len(rows), t, dim)
-            toks = torch.zeros(len(rows), t, dtype=torch.long)
-            positions = torch.zeros(len(rows), t, dtype=torch.long)
-            lmask = torch.zeros(len(rows), t, e + t, dtype=torch.bool)
+            # Features and draft-local KV stay on the device (one copy per row); ids, positions and the
+            # mask are built on the host and copied over once each.
+            feats = torch.zeros(len(rows), t, dim, device=self.device)
+            toks = torch.zeros(len(rows), t, dtype=torch.long, device="cpu")
+            positions = torch.zeros(len(rows), t, dtype=torch.long, device="cpu")
+            lmask = torch.zeros(len(rows), t, e + t, dtype=torch.bool, device="cpu")
             hk, hd = self._kv_shape
-            lk = torch.zeros(len(rows), hk, e, hd)
-            lv = torch.zeros(len(rows), hk, e, hd)
+            lk = torch.zeros(len(rows), hk, e, hd, device=self.device)
+            lv = torch.zeros(len(rows), hk, e, hd, device=self.device)
             for q, r in enumerate(rows):
                 row_nodes = nodes[r]
-                for slot, (kk, vv) in enumerate(zip(local_k[r], local_v[r])):
-                    lk[q, :, slot] = kk
-                    lv[q, :, slot] = vv
+                if local_k[r]:
+                    lk[q, :, : len(local_k[r])] = torch.stack(local_k[r], dim=1)  # [Hkv, e_r, D]
+                    lv[q, :, : len(local_v[r])] = torch.stack(local_v[r], dim=1)
+                feats[q, : len(frontier[r])] = torch.stack([row_nodes[j].feat_in for j in frontier[r]])
                 for a, j in enumerate(frontier[r]):
                     n = row_nodes[j]
-                    feats[q, a] = n.feat_in
                     toks[q, a] = n.token
                     positions[q, a] = states[r].pairs + level - 1
                     lmask[q, a, e + a] = True  # itself
@@ -281,6 +284,7 @@ class EagleDrafter:
                         p = row_nodes[p].parent
                 for a in range(len(frontier[r]), t):
                     lmask[q, a, e + a] = True  # padding queries see themselves only
+            toks, positions, lmask = toks.to(self.device), positions.to(self.device), lmask.to(self.device)
             outs, k, v = self._run([states[r] for r in rows], feats, self.embed(toks).float(), positions,
                                    lk, lv, lmask)
             parents_idx, parent_feats, parent_scores, row_ids = [], [], [], []

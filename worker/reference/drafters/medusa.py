@@ -28,8 +28,10 @@ class MedusaDrafter:
     def __init__(self, bundle: HeadsBundle, model, max_width: int = 4, max_tree_nodes: int = 32) -> None:
         if bundle.kind != "medusa":
             raise ValueError(f"MedusaDrafter needs medusa heads, got {bundle.kind}")
-        self.heads = bundle.module.eval()
-        self.vocab_map = bundle.vocab_map
+        # Where the target is: the heads read its features there (``bundle.module`` moves with them).
+        self.device = next(model.parameters()).device
+        self.heads = bundle.module.to(self.device).eval()
+        self.vocab_map = bundle.vocab_map.to(self.device)
         # Every torch layer that drafting runs (``worker.reference.engine.kernels.tune_model`` may swap
         # their linears, so they are always reached through this dict).
         self.layers = torch.nn.ModuleDict({"heads": self.heads, "lm_head": draft_lm_head(model, bundle.vocab_map)})

@@ -52,15 +52,16 @@ def build_block(
     device = past_valid.device
     sizes = [t.num_nodes + 1 for t in trees]
     width = max(sizes)
-    ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    offsets = torch.zeros(batch, width, dtype=torch.long)
-    tree_mask = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)  # pads: self only
-    sees_past = torch.zeros(batch, width, dtype=torch.bool)
+    # Built on the host row by row, then moved in one go (one copy each, not one per row).
+    ids = torch.full((batch, width), pad_id, dtype=torch.long, device="cpu")
+    offsets = torch.zeros(batch, width, dtype=torch.long, device="cpu")
+    tree_mask = torch.eye(width, dtype=torch.bool, device="cpu").repeat(batch, 1, 1)  # pads: self only
+    sees_past = torch.zeros(batch, width, dtype=torch.bool, device="cpu")
     for b, (root, tree) in enumerate(zip(roots, trees)):
         n = sizes[b]
         ids[b, 0] = int(root)
         if n > 1:
-            ids[b, 1:n] = torch.tensor(tree.tokens, dtype=torch.long)
+            ids[b, 1:n] = torch.tensor(tree.tokens, dtype=torch.long, device="cpu")
             buf = cached_tree_buffers(tuple(tree.parents))
             offsets[b, :n] = buf.position_offsets
             tree_mask[b, :n, :n] = buf.attn_mask

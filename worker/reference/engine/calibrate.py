@@ -119,7 +119,7 @@ def calibrate_verify(model, max_batch: int, max_nodes: int, context_len: int = 1
         steps = len(shapes) * (repeats + 1)
         # Low ids are the tokenizer's specials; any other ids give the same cost.
         for _ in range(batch):
-            prompt = torch.randint(min(100, vocab // 2), vocab, (context_len,), generator=gen).tolist()
+            prompt = torch.randint(min(100, vocab // 2), vocab, (context_len,), generator=gen, device="cpu").tolist()
             engine.submit(prompt, steps * (max(shapes) + 1) + 1)
         # Round-robin over the shapes, one step each per round: a slow minute of a
         # shared machine then falls on every shape alike, not on a run of neighbours

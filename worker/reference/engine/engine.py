@@ -414,9 +414,9 @@ class Engine:
         width = max(len(p) for p in prompts)
         cache = SlotCache.for_model(self.model)
         valid = torch.zeros(b, width, dtype=torch.bool, device=self.device)
-        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long, device="cpu")  # host, then one copy
         for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
+            ids[i, width - len(p) :] = torch.tensor(p, device="cpu")
             valid[i, width - len(p) :] = True
         ids = ids.to(self.device)
         mask = valid.long()
@@ -470,9 +470,9 @@ class Engine:
         real = torch.cat([hidden[b, : block.sizes[b]] for b in range(batch)])  # LM head on real entries only
         outcomes = self._accept(trees, self.lm_head(real), block.sizes, rules or [STRICT] * batch)
         k_max = max(len(o.path) for o in outcomes)
-        paths = torch.full((batch, k_max), -1, dtype=torch.long)
+        paths = torch.full((batch, k_max), -1, dtype=torch.long, device="cpu")  # host: compact moves what it needs
         for b, o in enumerate(outcomes):
-            paths[b, : len(o.path)] = torch.tensor(o.path)
+            paths[b, : len(o.path)] = torch.tensor(o.path, device="cpu")
         self.kv.compact(past_len, paths)
         self._sync()
         return outcomes, hidden

@@ -307,7 +307,7 @@ class _VerifyRig:
         self.context = context
         vocab = cfg.vocab_size
         low = min(100, vocab // 2)  # low ids are a tokenizer's specials; any other id costs the same
-        self.roots = torch.randint(low, vocab, (batch,), generator=gen).tolist()
+        self.roots = torch.randint(low, vocab, (batch,), generator=gen, device="cpu").tolist()
         self.trees = {t: [DraftTree.chain([r] * (t - 1)) for r in self.roots] for t in tokens}
 
     def run(self, tokens: int) -> float:
@@ -392,7 +392,7 @@ class _DraftRig:
         self.inputs = {}
         for w in widths:
             feats = torch.empty(batch, w, hidden, device=device, dtype=dtype).normal_()
-            ids = torch.randint(min(100, vocab // 2), vocab, (batch, w), generator=gen).to(device)
+            ids = torch.randint(min(100, vocab // 2), vocab, (batch, w), generator=gen, device="cpu").to(device)
             positions = (context + torch.arange(w, device=device))[None].expand(batch, w)
             mask = torch.ones(batch, 1, w, context + w, dtype=torch.bool, device=device)
             self.inputs[w] = (feats, ids, positions, mask)

@@ -105,7 +105,7 @@ def _depths(block_parents: list[int]) -> list[int]:
 def _ancestor_mask(block_parents: list[int]) -> torch.Tensor:
     """bool [n+1, n+1]: row i = i's own column plus its parent's row."""
     size = len(block_parents)
-    mask = torch.eye(size, dtype=torch.bool)  # [n+1, n+1]
+    mask = torch.eye(size, dtype=torch.bool, device="cpu")  # [n+1, n+1], host: build_block moves whole blocks
     for i in range(1, size):
         mask[i] |= mask[block_parents[i]]  # inherit the parent's ancestors
     return mask
@@ -119,7 +119,7 @@ def _leaf_paths(block_parents: list[int], depth: list[int]) -> torch.Tensor:
         has_child[block_parents[i]] = True
     leaves = [i for i in range(size) if not has_child[i]]  # root alone if n == 0
     width = max(depth) + 1
-    paths = torch.full((len(leaves), width), -1, dtype=torch.long)
+    paths = torch.full((len(leaves), width), -1, dtype=torch.long, device="cpu")
     for row, leaf in enumerate(leaves):
         node = leaf
         while node != -1:  # walk up, filling from the leaf's depth backwards
@@ -160,7 +160,7 @@ def tree_buffers(parents: Sequence[int]) -> TreeBuffers:
     return TreeBuffers(
         parents=checked,
         attn_mask=_ancestor_mask(block_parents),
-        position_offsets=torch.tensor(depth, dtype=torch.long),
+        position_offsets=torch.tensor(depth, dtype=torch.long, device="cpu"),
         retrieve_paths=_leaf_paths(block_parents, depth),
         depth=max(depth),
     )

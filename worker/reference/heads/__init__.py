@@ -88,6 +88,11 @@ def train_heads(
     process's); one training process alone on the machine gains from all its
     cores (an EAGLE step at the real sizes ran 1.65× faster on two threads
     than on one, on a 2-core EPYC with nothing else running).
+
+    The target loads on the process's default device
+    (``worker.reference.models.set_default_device``, ``--device``); off the
+    CPU this process answers everything there (``jobs`` is 1: processes of
+    their own would each load a CPU copy) and the heads train there.
     """
     import torch
 
@@ -112,7 +117,10 @@ def train_heads(
                                                         if samples else ""))
     test = {p.id for p in held_out(items, config.held_out)}
     threads = torch.get_num_threads()
-    jobs = jobs or max(1, usable_cores() // threads)
+    off_cpu = next(lm.model.parameters()).device.type != "cpu"
+    if off_cpu and jobs > 1:
+        log(f"--jobs {jobs}: off the CPU the answers come from this process's model only")
+    jobs = 1 if off_cpu else jobs or max(1, usable_cores() // threads)
     ds = build_distill_set(lm.model, lm.tokenizer, items, model_key, max_new_tokens=max_new_tokens, batch=gen_batch,
                            samples=samples, temperature=temperature,
                            sample_prompts=[p for p in items if p.id not in test], jobs=jobs,

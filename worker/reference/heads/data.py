@@ -135,10 +135,10 @@ def _features(model, sequences: list[list[int]], batch: int, progress: ProgressB
     for start in range(0, len(order), batch):
         idx = order[start : start + batch]
         width = max(len(sequences[i]) for i in idx)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
-        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        ids = torch.zeros(len(idx), width, dtype=torch.long, device="cpu")  # host, then one copy each
+        mask = torch.zeros(len(idx), width, dtype=torch.long, device="cpu")
         for r, i in enumerate(idx):
-            ids[r, : len(sequences[i])] = torch.tensor(sequences[i])
+            ids[r, : len(sequences[i])] = torch.tensor(sequences[i], device="cpu")
             mask[r, : len(sequences[i])] = 1
         h = base(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
         for r, i in enumerate(idx):
@@ -360,7 +360,7 @@ def draft_vocab(ds: DistillSet, size: int, vocab_size: int, always: tuple[int, .
     covers the whole vocabulary: then the map is the identity).
     """
     if size <= 0 or size >= vocab_size:
-        return torch.arange(vocab_size)
+        return torch.arange(vocab_size, device="cpu")
     idx = range(len(ds)) if idx is None else idx
     own = {i for i in idx if not ds.ids[i].startswith("extra:")}
     answers = Counter(ds.answer_tokens(sorted(own)))
@@ -380,4 +380,4 @@ def draft_vocab(ds: DistillSet, size: int, vocab_size: int, always: tuple[int, .
     take(t for t, _ in answers.most_common())
     take(t for t, _ in prompts.most_common())
     take(range(vocab_size))
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+    return torch.tensor(sorted(chosen), dtype=torch.long, device="cpu")

@@ -58,8 +58,9 @@ class HeadsBundle:
         return self.version
 
     def _state(self) -> dict[str, torch.Tensor]:
-        state = {f"module.{k}": v.detach().float().contiguous() for k, v in self.module.state_dict().items()}
-        state["vocab_map"] = self.vocab_map.contiguous()
+        # On the host whatever device the heads trained or run on: the file and the version hash see the same bytes.
+        state = {f"module.{k}": v.detach().float().cpu().contiguous() for k, v in self.module.state_dict().items()}
+        state["vocab_map"] = self.vocab_map.cpu().contiguous()
         return state
 
     def save(self, directory: str | Path) -> Path:

@@ -43,8 +43,15 @@ __all__ = ["TrainConfig", "evaluate", "train"]
 
 
 def _lm_rows(model, vocab_map: torch.Tensor) -> torch.Tensor:
-    """Frozen draft LM head: the target's LM head rows of the draft vocabulary."""
-    return model.get_output_embeddings().weight.detach()[vocab_map].float()
+    """Frozen draft LM head: the target's LM head rows of the draft vocabulary (on the target's device)."""
+    weight = model.get_output_embeddings().weight.detach()
+    return weight[vocab_map.to(weight.device)].float()
+
+
+def _device(model) -> torch.device:
+    """Where the target is, and so where heads train: the features (kept on the host,
+    ``DistillSet``) go there a batch at a time."""
+    return next(model.parameters()).device
 
 
 def _embed(model) -> torch.nn.Module:
@@ -64,8 +71,8 @@ def _medusa_samples(ds: DistillSet, idx: list[int], k: int, answer_only: bool = 
         f = ds.features[i]
         n, p = f.shape[0], ds.prompt_lens[i]
         feats.append(f)
-        ts = torch.arange(max(p - 1, 0) if answer_only else 0, n)
-        lab = ts[:, None] + torch.arange(1, k + 1)[None]  # head j (1-based) -> feature t + j
+        ts = torch.arange(max(p - 1, 0) if answer_only else 0, n, device="cpu")
+        lab = ts[:, None] + torch.arange(1, k + 1, device="cpu")[None]  # head j (1-based) -> feature t + j
         lab = torch.where(lab <= n - 1, lab + offset, torch.full_like(lab, -1))
         pos.append(ts + offset)
         labels.append(lab)
@@ -74,9 +81,10 @@ def _medusa_samples(ds: DistillSet, idx: list[int], k: int, answer_only: bool = 
 
 
 def _train_medusa(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: TrainConfig, log) -> None:
-    heads = bundle.module
+    device = _device(model)
+    heads = bundle.module.to(device)
     w = _lm_rows(model, bundle.vocab_map)
-    table, pos, labels = _medusa_samples(ds, train_idx, cfg.num_heads, cfg.loss_on == "answer")
+    table, pos, labels = _medusa_samples(ds, train_idx, cfg.num_heads, cfg.loss_on == "answer")  # host
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     steps = math.ceil(len(pos) / cfg.batch_positions) * cfg.epochs
@@ -84,14 +92,14 @@ def _train_medusa(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: Tr
     bar = ProgressBar(steps, "train medusa heads", enabled=log is not None)
     heads.train()
     for _ in range(cfg.epochs):
-        perm = torch.randperm(len(pos), generator=gen)
+        perm = torch.randperm(len(pos), generator=gen, device="cpu")
         for start in range(0, len(pos), cfg.batch_positions):
             sel = perm[start : start + cfg.batch_positions]
-            x = table[pos[sel]]  # [n, d]
-            lab = labels[sel]  # [n, K]
+            x = table[pos[sel]].to(device)  # [n, d]
+            lab = labels[sel].to(device)  # [n, K]
             valid = lab >= 0
             with torch.no_grad():
-                tgt = torch.softmax(table[lab.clamp(min=0)] @ w.T, -1)  # [n, K, V]
+                tgt = torch.softmax(table[labels[sel].clamp(min=0)].to(device) @ w.T, -1)  # [n, K, V]
             out = heads(x)  # [K, n, d]
             logp = torch.log_softmax(out @ w.T, -1).transpose(0, 1)  # [n, K, V]
             ce = -(tgt * logp).sum(-1)  # [n, K]
@@ -110,29 +118,31 @@ def _train_medusa(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: Tr
 # --------------------------------------------------------------------------
 
 
-def _pad_batch(ds: DistillSet, idx: list[int]):
+def _pad_batch(ds: DistillSet, idx: list[int], device: torch.device):
+    """Features ``[B, L, d]``, tokens ``[B, L]``, lengths and prompt lengths ``[B]`` of the sequences
+    ``idx``, right-padded on the host and copied to ``device`` once each."""
     width = max(ds.features[i].shape[0] for i in idx)
     d = ds.features[idx[0]].shape[1]
-    feats = torch.zeros(len(idx), width, d)
-    toks = torch.zeros(len(idx), width, dtype=torch.long)
-    lens = torch.tensor([ds.features[i].shape[0] for i in idx])
-    plens = torch.tensor([ds.prompt_lens[i] for i in idx])
+    feats = torch.zeros(len(idx), width, d, device="cpu")
+    toks = torch.zeros(len(idx), width, dtype=torch.long, device="cpu")
+    lens = torch.tensor([ds.features[i].shape[0] for i in idx], device="cpu")
+    plens = torch.tensor([ds.prompt_lens[i] for i in idx], device="cpu")
     for r, i in enumerate(idx):
         n = ds.features[i].shape[0]
         feats[r, :n] = ds.features[i]
-        toks[r, :n] = torch.tensor(ds.sequences[i])
-    return feats, toks, lens, plens
+        toks[r, :n] = torch.tensor(ds.sequences[i], device="cpu")
+    return tuple(x.to(device) for x in (feats, toks, lens, plens))
 
 
-def _unroll_mask(length: int, j: int) -> torch.Tensor:
-    """bool ``[L, j*L]``: pass-j query t sees pass-1 keys s <= t-j+1 and the
+def _unroll_mask(length: int, j: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """bool ``[L, j*L]`` on ``device``: pass-j query t sees pass-1 keys s <= t-j+1 and the
     pass-i key at s = t-j+i for 2 <= i <= j (its drafted ancestors and itself)."""
-    t = torch.arange(length)
+    t = torch.arange(length, device=device)
     blocks = [t[None, :] <= (t[:, None] - j + 1)]
     for i in range(2, j + 1):
         blocks.append(t[None, :] == (t[:, None] - j + i))
     mask = torch.cat(blocks, dim=1)
-    mask[:, (j - 1) * length :] |= torch.eye(length, dtype=torch.bool)  # never an empty row
+    mask[:, (j - 1) * length :] |= torch.eye(length, dtype=torch.bool, device=device)  # never an empty row
     return mask
 
 
@@ -146,11 +156,13 @@ def eagle_passes(head: EagleHead, embed, feats, toks, passes: int, noise: float 
     b, length, d = feats.shape
     n = length - 1
     emb = embed(toks[:, 1:]).float()  # [B, n, d]
-    positions = torch.arange(n)[None].expand(b, n)
+    positions = torch.arange(n, device=feats.device)[None].expand(b, n)
     x_feat = feats[:, :-1]
     if noise:
         scale = feats.pow(2).mean().sqrt() * noise
-        x_feat = x_feat + (torch.rand(x_feat.shape, generator=gen) * 2 - 1) * scale
+        # Drawn on the host from the seeded generator (the same noise on any device), then moved.
+        uniform = torch.rand(x_feat.shape, generator=gen, device="cpu").to(feats.device)
+        x_feat = x_feat + (uniform * 2 - 1) * scale
     outs = []
     keys, vals = [], []
     for j in range(1, passes + 1):
@@ -161,7 +173,7 @@ def eagle_passes(head: EagleHead, embed, feats, toks, passes: int, noise: float 
         if j == 1:
             out, k, v = head.layer(x, positions)
         else:
-            mask = _unroll_mask(n, j)[None, None]
+            mask = _unroll_mask(n, j, feats.device)[None, None]
             out, k, v = head.layer(x, positions, torch.cat(keys, 2), torch.cat(vals, 2), mask)
         keys.append(k)
         vals.append(v)
@@ -173,7 +185,7 @@ def _eagle_loss(outs, feats, lens, plens, w, cls_weight, reg_weight=1.0, answer_
     b, length, _ = feats.shape
     n = length - 1
     target = feats[:, 1:]  # feature t+1
-    t = torch.arange(n)[None]
+    t = torch.arange(n, device=feats.device)[None]
     base = t + 1 < lens[:, None]
     if answer_only:
         base = base & (t + 1 >= (plens[:, None] - 1))  # predict from the last prompt token on
@@ -193,7 +205,8 @@ def _eagle_loss(outs, feats, lens, plens, w, cls_weight, reg_weight=1.0, answer_
 
 
 def _train_eagle(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: TrainConfig, log) -> None:
-    head: EagleHead = bundle.module
+    device = _device(model)
+    head: EagleHead = bundle.module.to(device)
     w = _lm_rows(model, bundle.vocab_map)
     embed = _embed(model)
     for p in embed.parameters():
@@ -207,8 +220,8 @@ def _train_eagle(bundle: HeadsBundle, model, ds: DistillSet, train_idx, cfg: Tra
     bar = ProgressBar(steps, "train eagle head", enabled=log is not None)
     head.train()
     for _ in range(cfg.epochs):
-        for bi in torch.randperm(len(batches), generator=gen).tolist():
-            feats, toks, lens, plens = _pad_batch(ds, batches[bi])
+        for bi in torch.randperm(len(batches), generator=gen, device="cpu").tolist():
+            feats, toks, lens, plens = _pad_batch(ds, batches[bi], device)
             outs = eagle_passes(head, embed, feats, toks, cfg.unroll, cfg.noise, gen)
             loss, parts = _eagle_loss(outs, feats, lens, plens, w, cfg.cls_weight, cfg.reg_weight,
                                       cfg.loss_on == "answer")
@@ -239,20 +252,23 @@ def evaluate(bundle: HeadsBundle, model, ds: DistillSet, idx: list[int], depth: 
     in the answer region with ``x_{r+j}`` inside the sequence count.
     """
     depth = depth or (bundle.config.get("num_heads") if bundle.kind == "medusa" else 5)
+    # The heads guess on the target's device; the counting runs on the host.
+    device = _device(model)
     w = _lm_rows(model, bundle.vocab_map)
-    vmap = bundle.vocab_map
-    top1 = torch.zeros(depth)
-    topn = torch.zeros(depth)
-    count = torch.zeros(depth)
-    chain = torch.zeros(depth)  # Σ accepted length of chains of depth 1..D
+    vmap = bundle.vocab_map.cpu()
+    top1 = torch.zeros(depth, device="cpu")
+    topn = torch.zeros(depth, device="cpu")
+    count = torch.zeros(depth, device="cpu")
+    chain = torch.zeros(depth, device="cpu")  # Σ accepted length of chains of depth 1..D
     roots = 0
     in_vocab = 0
     answer_tokens = 0
-    vocab_set = torch.zeros(int(vmap.max()) + 1 if len(vmap) else 1, dtype=torch.bool)
+    vocab_set = torch.zeros(int(vmap.max()) + 1 if len(vmap) else 1, dtype=torch.bool, device="cpu")
     vocab_set[vmap] = True
+    bundle.module.to(device)
     for i in idx:
-        seq = torch.tensor(ds.sequences[i])
-        f = ds.features[i]
+        seq = torch.tensor(ds.sequences[i], device="cpu")
+        f = ds.features[i].to(device)
         n, p = f.shape[0], ds.prompt_lens[i]
         ans = seq[p:]
         answer_tokens += len(ans)
@@ -264,10 +280,10 @@ def evaluate(bundle: HeadsBundle, model, ds: DistillSet, idx: list[int], depth: 
             guess = [logits[j - 1, :] for j in range(1, depth + 1)]  # index t = r-1
             shift = [-1] * depth
         else:
-            outs = eagle_passes(bundle.module, _embed(model), f[None], seq[None], depth)
+            outs = eagle_passes(bundle.module, _embed(model), f[None], seq.to(device)[None], depth)
             guess = [o[0] @ w.T for o in outs]  # pass j at pair t guesses x_{t+2}; t = r+j-2
             shift = [j - 2 for j in range(1, depth + 1)]
-        tops = [vmap[g.topk(min(topk, g.shape[-1]), -1).indices] for g in guess]  # token ids
+        tops = [vmap[g.topk(min(topk, g.shape[-1]), -1).indices.cpu()] for g in guess]  # token ids, host
         for r in range(max(p, 1), n):
             ok_chain = True
             roots += 1
