@@ -313,8 +313,8 @@ def add_bench_engine_options(bench) -> None:
     g.add_argument("--device", default="cpu", help=DEVICE_HELP + " (off the CPU speedups are on wall time: "
                    "a thread's CPU time does not count the device's work)")
     g.add_argument("--no-confirm", dest="confirm", action="store_false",
-                   help="skip the confirmation pass (each drafter's best static shape timed again between plain "
-                        "runs of its own, against the winner's curse of a best-of-seven pick)")
+                   help="skip the second pass (each drafter's hindsight-best static shape against fresh cold and "
+                        "warm controllers in a lockstep of their own: no winner's curse of a best-of-seven pick)")
     g.add_argument("--warmup-prompts", type=int, default=8,
                    help="held-out prompts outside the evaluation set that the warm controller decodes untimed "
                         "before each batch size (default 8; 0 = the cold controller only)")

@@ -181,7 +181,8 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
                 ("ngram", "goodput-warm"), ("oracle", "static-d2")}
     for batch in (1, 2):
         picked = next(s["best_static"] for s in result["static_vs_controller"] if s["batch"] == batch)
-        confirmation = {("none", "confirm-plain"), ("ngram", f"confirm-{picked}"), ("none", "confirm-plain-repeat")}
+        confirmation = {("none", "confirm-plain"), ("ngram", f"confirm-{picked}"), ("ngram", "confirm-goodput-cold"),
+                        ("ngram", "confirm-goodput-warm"), ("none", "confirm-plain-repeat")}
         assert {(d, p) for d, p, b in runs if b == batch and not d.startswith("hf-")} == expected | confirmation
     assert {("hf-generate", "plain", 1), ("hf-prompt-lookup", "static-d2", 1)} <= set(runs)
     assert all(r["lossless"] and r["tokens"] == 12 and r["tokens_per_cpu_s"] > 0 for r in runs.values())
@@ -218,6 +219,9 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
     assert finished("engine-telemetry.jsonl.gz") == {"bench-ngram": 2 * (2 + 2)}  # 2 batches x (warm-up + eval)
     for b in (1, 2):
         assert finished(f"engine-telemetry-cold-b{b}.jsonl.gz") == {f"bench-ngram-cold-b{b}": 2}
+        # The second pass's controllers: fresh at each batch, the warm one warmed at this batch only.
+        assert finished(f"engine-telemetry-confirm-cold-b{b}.jsonl.gz") == {f"bench-ngram-confirm-cold-b{b}": 2}
+        assert finished(f"engine-telemetry-confirm-warm-b{b}.jsonl.gz") == {f"bench-ngram-confirm-warm-b{b}": 2 + 2}
 
     summary = {(s["drafter"], s["batch"]): s for s in result["static_vs_controller"]}
     assert set(summary) == {("ngram", 1), ("ngram", 2)}
@@ -230,14 +234,16 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
             assert s[f"{tag}_vs_best_static"] == pytest.approx(s[tag] / s["best_static_speedup"], abs=2e-3)
         assert s["share_of_oracle"] == pytest.approx(s["warm"] / runs[("oracle", "static-d2", b)]["speedup_vs_plain"],
                                                      abs=2e-3)
-        # The hindsight pick timed again, against the plain runs of its own pass.
-        again = runs[("ngram", f"confirm-{s['best_static']}", b)]
+        # The second pass: the hindsight pick against fresh controllers, against the plain runs of its own lockstep.
+        two = s["second_pass"]
+        shape = runs[("ngram", f"confirm-{s['best_static']}", b)]
         plain_again = [runs[("none", p, b)]["tokens_per_cpu_s"] for p in ("confirm-plain", "confirm-plain-repeat")]
-        assert again["speedup_vs_plain"] == pytest.approx(again["tokens_per_cpu_s"] / (sum(plain_again) / 2), abs=2e-3)
-        assert s["best_static_confirmed_speedup"] == again["speedup_vs_plain"]
+        assert shape["speedup_vs_plain"] == pytest.approx(shape["tokens_per_cpu_s"] / (sum(plain_again) / 2), abs=2e-3)
+        assert (two["best_static"], two["best_static_speedup"]) == (s["best_static"], shape["speedup_vs_plain"])
         for tag in ("cold", "warm"):
-            assert s[f"{tag}_vs_confirmed_best_static_or_plain"] == pytest.approx(
-                s[tag] / max(again["speedup_vs_plain"], 1.0), abs=2e-3)
+            assert two[tag] == runs[("ngram", f"confirm-goodput-{tag}", b)]["speedup_vs_plain"]
+            assert two[f"{tag}_vs_best_static_or_plain"] == pytest.approx(
+                two[tag] / max(shape["speedup_vs_plain"], 1.0), abs=2e-3)
     assert (tmp_path / "engine.png").stat().st_size > 0
 
 
