@@ -85,8 +85,9 @@ plain run and a plain repeat of its own: policies ``confirm-plain``,
 ``confirm-plain-repeat``, speedups against that pass's plain runs. No run
 there was picked by its own measurement, and all share one lockstep (the
 number of engines taking turns moves every speculating run against plain:
-the picked shapes alone beside plain came out 1.5-4 % faster than in the
-main lockstep, so a comparison across the two passes would not be fair).
+the picked shapes timed alone beside plain moved by -3 % to +5 % against
+plain from the main lockstep, +2 % on the mean, so a comparison across two
+passes would not be fair).
 ``static_vs_controller`` gains ``second_pass``: the shape, its speedup, the
 controllers' and their ratios to max(shape, plain). Its controllers record
 to ``engine-telemetry-confirm-{cold,warm}-bB.jsonl.gz``.
