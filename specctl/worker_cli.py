@@ -114,6 +114,14 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if not _use_device("calibrate", args.device):
         return 2
+    reference = None
+    if args.compare:  # read first: a typo must not cost a whole measurement
+        from worker.sim.measured import load_table
+
+        try:
+            reference = load_table(args.compare)
+        except ValueError as err:
+            return fail(f"--compare {args.compare}: {err}")
     device = default_device()
     defaults = DEFAULT_GRIDS["cpu" if device.type == "cpu" else "cuda"]
     try:
@@ -159,6 +167,17 @@ def _calibrate(args: argparse.Namespace) -> int:
     log(f"wrote {out}: {len(table['verify'])} verify and {len(table['draft'])} draft shapes in "
         f"{time.perf_counter() - started:.0f} s. Use it as `specctl worker --calibration {out}` (the Hello's "
         f"calibration) or as `cost_table: {out}` of a scenario worker (the simulator's step costs)")
+    if reference is not None:
+        import json
+
+        from worker.sim.table_compare import compare_tables
+
+        comparison = compare_tables(load_table(out), reference)
+        for line in comparison.lines():
+            log(line)
+        compared = out.with_name(f"{out.stem}-vs-{Path(reference.source).stem}.json")
+        compared.write_text(json.dumps(comparison.to_json(), indent=1))
+        log(f"wrote {compared}")
     return 0
 
 
@@ -273,6 +292,10 @@ def add_worker_commands(sub) -> None:
     what.add_argument("--shape", help="random weights of a shape instead: llama-3-8b (a GPU's; refused on the "
                                       "CPU) or tiny")
     cal.add_argument("--device", default="cpu", help="torch device to measure on: cpu (default), cuda, cuda:N")
+    cal.add_argument("--compare", metavar="TABLE",
+                     help="then price the new table's points with TABLE too (a name in worker/sim/hardware_tables, "
+                          "e.g. h200-llama3-8b.json, or a path): step-time ratios and the ratios of q tokens over 1 "
+                          "token per batch, printed and written to OUT-vs-TABLE.json (worker.sim.table_compare)")
     cal.add_argument("--out", required=True, metavar="FILE.json", help="where to write the table")
     cal.add_argument("--batches", help="requests per forward, comma-separated (default cpu 1,2,4,8; "
                                        "cuda 1,2,...,256)")

@@ -257,3 +257,54 @@ def test_the_draft_level_times_trained_heads_when_given(tmp_path):
     table = json.loads(out.read_text())
     assert table["info"]["draft"].startswith(f"trained eagle heads {bundle.version}")
     assert table["model"]["draft_vocab"] == 40
+
+
+def test_compare_prices_the_new_table_against_another(tmp_path, capsys):
+    """``--compare``: a table against a copy of itself with verify 2x slower on 4-token steps is off by
+    2x exactly there, and its q/1 ratios by 2x; against the H200 table the models differ and it says so."""
+    from worker.sim.measured import load_table
+    from worker.sim.table_compare import compare_tables
+
+    grid = ["--batches", "1,2", "--tokens", "1,4", "--contexts", "16,32", "--widths", "1,2", "--repeats", "1",
+            "--kernels", "default"]
+    first = tmp_path / "first.json"
+    assert main(["calibrate", "--shape", "tiny", "--out", str(first), *grid]) == 0
+    slower = json.loads(first.read_text())
+    for row in slower["verify"]:
+        row["verify_ms"] *= 2.0 if row["tokens_per_request"] == 4 else 1.0
+    (tmp_path / "slower.json").write_text(json.dumps(slower))
+    capsys.readouterr()
+
+    c = compare_tables(load_table(tmp_path / "slower.json"), load_table(first))
+    assert c.verify.points == 8 and c.verify.min == 1.0 and c.verify.max == 2.0
+    assert c.q_over_1.points == 4 and c.q_over_1.median == 2.0 and c.draft.median == 1.0
+    assert c.shapes_differ == [] and c.left_out == {"verify": 0, "draft": 0}
+
+    out = tmp_path / "second.json"
+    assert main(["calibrate", "--shape", "tiny", "--out", str(out), *grid, "--compare", "h200-llama3-8b.json"]) == 0
+    printed = capsys.readouterr().out
+    assert "against h200-llama3-8b.json" in printed and "different models" in printed
+    written = json.loads((tmp_path / "second-vs-h200-llama3-8b.json").read_text())
+    # The tiny grid (contexts 16, 32) lies below the H200 table's (1k..32k): every point is left out, none guessed.
+    assert written["verify"]["points"] == 0 and written["left_out"]["verify"] == 8
+    assert "no point inside the reference's grid" in printed
+
+
+def test_compare_with_a_missing_table_fails_before_measuring(tmp_path, capsys):
+    out = tmp_path / "never.json"
+    assert main(["calibrate", "--shape", "tiny", "--out", str(out), "--compare", str(tmp_path / "nope.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--compare" in err and "nope.json" in err
+    assert not out.exists()
+
+
+def test_the_command_line_runs_as_a_module_from_a_bare_checkout():
+    """``python -m specctl`` (no installed entry point, as on a lent GPU machine): the same parser."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "specctl", "calibrate", "--help"], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "--compare" in done.stdout

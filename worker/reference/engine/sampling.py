@@ -227,7 +227,9 @@ def sample_accept_tree(
             if q is not None and q_x <= 0.0:
                 raise ValueError(f"draft node {kid - 1} (token {x}) has proposal probability 0 "
                                  "after its earlier siblings: it cannot have been drawn from it")
-            u = float(torch.rand((), generator=generator, dtype=torch.float64, device=generator.device))
+            # On the generator's device (a CUDA generator cannot draw a CPU tensor), else the law's.
+            u = float(torch.rand((), generator=generator, dtype=torch.float64,
+                                 device=generator.device if generator is not None else law.device))
             if u * q_x < float(law[x]):  # u < min(1, p/q) without dividing by q
                 chosen = kid
                 break
