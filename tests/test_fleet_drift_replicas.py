@@ -131,8 +131,11 @@ async def test_the_owner_killed_a_survivor_takes_over_from_its_checkpoint_and_de
 
             [heir] = await until(taken_over, 30.0, "a survivor running the monitor", interval_s=0.0)
             # From the dead owner's checkpoint (the heir ran no monitor of it before), not the stream's start.
+            # On a loaded machine the lease can bounce between the survivors before it settles (a clean-clone
+            # CI run saw the heir take over twice): every takeover must still start from a checkpoint.
             after = {src: await metric(replicas[heir], takeovers % src) for src in ("checkpoint", "stream_start")}
-            assert after == {"checkpoint": before[heir]["checkpoint"] + 1, "stream_start": before[heir]["stream_start"]}
+            assert after["checkpoint"] >= before[heir]["checkpoint"] + 1, after
+            assert after["stream_start"] == before[heir]["stream_start"], after
             assert not any(w.opened() for w in watches)  # the baseline came along: nothing relearnt, no alarm
 
             findings = 'specctl_fleet_drift_findings_total{outcome="opened"}'
