@@ -574,8 +574,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         r.speedup_vs_plain = round(r.tokens_per_cpu_s / base_cpu, 3) if basis == "cpu" else r.speedup_vs_plain_wall
         hf_plain = tallies.get(("hf-generate", "plain", r.batch))
         if r.drafter.startswith("hf-") and hf_plain is not None:
-            r.speedup_vs_hf_plain = round(r.tokens_per_cpu_s / (hf_plain.tokens / hf_plain.cpu) if basis == "cpu"
-                                          else r.tokens_per_s / (hf_plain.tokens / hf_plain.secs), 3)
+            r.speedup_vs_hf_plain = round(_rate(tallies[(r.drafter, r.policy, r.batch)], basis) / _rate(hf_plain, basis), 3)
     summary = static_vs_controller(runs, policy)
     acceptance = acceptance_warmup_vs_eval(
         warmup_acceptance, eval_acceptance,
