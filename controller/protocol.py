@@ -121,6 +121,7 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
                    "(drafter max_depth)", step_id)
     if r.acceptance_rule not in ACCEPTANCE_RULES:
         raise _bad(path, "acceptance_rule", f"{r.acceptance_rule} is not a known AcceptanceRule", step_id)
+    _check_shadows(r.shadows, r.context_len, limits, path, step_id)
     caught = r.caught_up_tokens
     if not 0 <= caught <= r.context_len:
         raise _bad(path, "caught_up_tokens", f"{caught} must be in 0..context_len ({r.context_len})", step_id)
@@ -169,6 +170,31 @@ def validate_request_step(r: worker_pb2.RequestStep, limits: DrafterLimits, path
     _check_confidence(r.draft_confidence, len(ranks), path, step_id)
 
 
+def _check_shadows(shadows, context_len: int, limits: DrafterLimits, path: str, step_id: int) -> None:
+    # The rules keep one open per request. Even a worker proposing one at every off step has at most
+    # max_depth open (each resolves within max_depth emitted tokens, a step emits one or more), so
+    # more resolved in one step is an engine bug or a forged report.
+    if len(shadows) > limits.max_depth:
+        raise _bad(path, "shadows", f"has {len(shadows)} entries, at most max_depth ({limits.max_depth}) "
+                   "resolve in one step", step_id)
+    for i, shadow in enumerate(shadows):
+        _check_shadow(shadow, context_len, limits, f"{path}.shadows[{i}]", step_id)
+
+
+def _check_shadow(shadow: worker_pb2.ShadowDraft, context_len: int, limits: DrafterLimits, path: str,
+                  step_id: int) -> None:
+    if not 0 <= shadow.context_len <= context_len:
+        raise _bad(path, "context_len", f"{shadow.context_len} must be in 0..the step's context_len ({context_len})",
+                   step_id)
+    if not 1 <= shadow.requested_depth <= limits.max_depth:
+        raise _bad(path, "requested_depth", f"{shadow.requested_depth} must be in 1..{limits.max_depth} "
+                   "(drafter max_depth)", step_id)
+    if not 0 <= shadow.depth <= shadow.requested_depth:
+        raise _bad(path, "depth", f"{shadow.depth} must be in 0..requested_depth ({shadow.requested_depth})", step_id)
+    if not 0 <= shadow.accepted <= shadow.depth:
+        raise _bad(path, "accepted", f"{shadow.accepted} must be in 0..depth ({shadow.depth})", step_id)
+
+
 def _check_requested_shape(r: worker_pb2.RequestStep, limits: DrafterLimits, path: str, step_id: int) -> None:
     for name, used, limit, what in (("requested_width", r.width, limits.max_width, "max_width"),
                                     ("requested_nodes", r.nodes, limits.max_tree_nodes, "max_tree_nodes")):
@@ -209,6 +235,8 @@ class RequestRow(NamedTuple):
     request_class: str = ""  # as reported (empty: the default class)
     acceptance_rule: int = 0  # AcceptanceRule the step verified this request with (0 = strict)
     domain: str = ""  # as reported: the drift monitor's stratum label (empty: none)
+    # RequestStep.shadows, each as (context_len, requested_depth, depth, accepted)
+    shadows: tuple[tuple[int, int, int, int], ...] = ()
 
 
 _new_row = tuple.__new__  # RequestRow without NamedTuple's Python-level __new__: ~0.2 µs a row, 8 rows a step
@@ -264,18 +292,25 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
                 and (requested_nodes == 0 or max(nodes, 1) <= requested_nodes <= max_nodes))
         ) and (caught == 0 or (requested and 0 < caught <= ctx)) and 0 <= (rule := r.acceptance_rule) <= TYPICAL \
                 and not ranks and not r.level_candidates and not r.draft_confidence:
+            shadows = r.shadows  # a prompt-lookup worker's off rows carry one every step or two
+            if shadows:
+                _check_shadows(shadows, ctx, limits, f"{path}.requests[{len(rows)}]", sid)
+                shadows = tuple((s.context_len, s.requested_depth, s.depth, s.accepted) for s in shadows)
+            else:
+                shadows = ()
             rows.append(_new_row(RequestRow, (rid, ctx, depth, width, nodes, accepted, None, None, requested,
                                               requested_width, requested_nodes, caught, r.request_class, rule,
-                                              r.domain)))
+                                              r.domain, shadows)))
             continue
         validate_request_step(r, limits, f"{path}.requests[{len(rows)}]", sid)  # rows: one per request before it
+        shadows = tuple((s.context_len, s.requested_depth, s.depth, s.accepted) for s in r.shadows)
         if depth and ranks:
             rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates),
                                    requested, requested_width, requested_nodes, caught, r.request_class,
-                                   r.acceptance_rule, r.domain))
+                                   r.acceptance_rule, r.domain, shadows))
         else:
             rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, None, None, requested, requested_width,
-                                   requested_nodes, caught, r.request_class, r.acceptance_rule, r.domain))
+                                   requested_nodes, caught, r.request_class, r.acceptance_rule, r.domain, shadows))
     if len(ids) > 1 and len(set(ids)) < len(ids):
         seen: set[str] = set()
         for j, rid in enumerate(ids):

@@ -171,11 +171,11 @@ def test_depth_zero_makes_no_draft_calls(tmp_path, model_path, plain, monkeypatc
 
     monkeypatch.setattr(LlamaPromptLookupDecoding, "find_candidate_pred_tokens", staticmethod(counting))
     serve = serve_policy(tmp_path, static(0))
-    llm, draft, agent = controlled(model_path, serve.target, "llama-off")
+    llm, draft, agent = controlled(model_path, serve.target, "llama-off", shadows=False)
     try:
         until_planned(llm, draft, agent, ids, Decision.off())
         assert run_prompts(llm, draft, ids, "off") == reference
-        assert calls == [] and draft.stats.lookup_calls == 0
+        assert calls == [] and draft.stats.lookup_calls == 0 and draft.stats.shadow_lookups == 0
         assert draft.stats.steps > 0 and all(r.drafted == 0 for r in draft.records)
         # the controller still saw every step (plain decode costs are telemetry too)
         wait_for(lambda: agent.stats.steps_confirmed >= draft.stats.steps, what="receipts for every step")
@@ -184,6 +184,50 @@ def test_depth_zero_makes_no_draft_calls(tmp_path, model_path, plain, monkeypatc
         serve.stop()
     steps = recorded_steps(serve.record, "llama-off")
     assert len(steps) == draft.stats.steps and all(s["requests"][0].get("depth", 0) == 0 for s in steps)
+
+
+def test_depth_zero_shadow_drafts_are_what_the_lookup_would_have_drafted(tmp_path, model_path, plain):
+    """Off, the adapter still looks up the chain it would have drafted at every step,
+    returns nothing, and reports how each fared against the tokens llama.cpp then
+    emitted: each reported shadow is recomputed here with the binding's lookup on the
+    final output, and the controller counts every one as acceptance evidence."""
+    ids, reference = plain
+    serve = serve_policy(tmp_path, static(0))
+    llm, draft, agent = controlled(model_path, serve.target, "llama-shadow")
+    try:
+        until_planned(llm, draft, agent, ids, Decision.off())
+        warm = draft.stats.steps
+        assert run_prompts(llm, draft, ids, "shadow") == reference  # shadows change nothing emitted
+        assert draft.stats.lookup_calls == 0 and all(r.drafted == 0 for r in draft.records)
+        assert 0 < draft.stats.shadow_lookups < draft.stats.steps  # one open at a time (worker/sdk/shadow.py)
+        wait_for(lambda: agent.stats.steps_confirmed >= draft.stats.steps, what="receipts for every step")
+        status = wait_for(lambda: next((w for w in fetch_status(serve.target).workers
+                                        if w.hello.worker_id == "llama-shadow"
+                                        and w.shadow_drafts == draft.stats.shadow_drafts), None),
+                          what="the controller to count every shadow draft")
+        assert status.shadow_drafts_ignored == 0
+    finally:
+        agent.close()
+        serve.stop()
+    steps = recorded_steps(serve.record, "llama-shadow")[warm:]
+    tokens = {f"shadow-{i}": ids[i] + reference[i] for i in range(len(ids))}
+    checked = accepted = 0
+    for step in steps:
+        row = step["requests"][0]
+        for shadow in row.get("shadows", ()):
+            full = tokens[row["request_id"]]
+            c = shadow["context_len"]
+            draft_tokens = LlamaPromptLookupDecoding.find_candidate_pred_tokens(
+                input_ids=np.array(full[: c + 1], dtype=np.intc), max_ngram_size=2, num_pred_tokens=8).tolist()
+            emitted = full[c + 1:]
+            matched = 0
+            while matched < len(draft_tokens) and matched < len(emitted) and draft_tokens[matched] == emitted[matched]:
+                matched += 1
+            assert (shadow.get("depth", 0), shadow.get("accepted", 0), shadow["requested_depth"]) == (
+                len(draft_tokens), matched, 8), (row["request_id"], c)
+            checked += 1
+            accepted += matched
+    assert checked >= len(ids) * 5 and accepted > 0
 
 
 class LoggingLookup(LlamaPromptLookupDecoding):

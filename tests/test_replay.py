@@ -91,6 +91,10 @@ def test_step_round_trips_through_json():
                       accepted_rank=[2, 0], level_candidates=[2, 1], domain="code", requested_depth=3,
                       requested_width=2, requested_nodes=6, caught_up_tokens=40)
     step.requests.add(request_id="b", context_len=200, requested_depth=2)  # asked, no draft offered
+    # Off, with a shadow draft resolved, a class and a rule: all kept.
+    step.requests.add(request_id="c", context_len=300, request_class="bulk", acceptance_rule=2,
+                      shadows=[worker_pb2.ShadowDraft(context_len=297, requested_depth=6, depth=4, accepted=2),
+                               worker_pb2.ShadowDraft(context_len=298, requested_depth=6, depth=0)])
     assert step_from_dict(step_to_dict(step)) == step
 
 

@@ -467,6 +467,8 @@ class Controller:
         ws.unknown_class_request_steps = counters.unknown_class_request_steps
         ws.unknown_class_queries = counters.unknown_class_queries
         ws.typical_violations = counters.typical_violations
+        ws.shadow_drafts = counters.shadow_drafts
+        ws.shadow_drafts_ignored = counters.shadow_drafts_ignored
         for c in state.classes.summaries(self.clock()):
             spec = c.spec
             ws.classes.add(

@@ -23,6 +23,14 @@ and never to the strict one, nor to ``accept_counts`` (the strict per-position
 counts the status page and metrics show). One reported for a class the
 policy keeps strict is a violation: counted, and its acceptance not used.
 
+Shadow drafts (``RequestStep.shadows``): the chain a worker would have
+proposed at a step where a request did not draft, compared with the tokens
+the target emitted after it. It is the same evidence as a verified chain (the proto says why),
+so it goes where a verified chain of the row's sink goes: one ask of the
+drafter and, when it offered one, a chain (at the context bucket where it
+was proposed). It does not move the request's state, nor ``accept_counts``
+(verified drafts only). One on a relaxed row is counted and not used.
+
 Request states (:mod:`policies.outcome`, issue #28): each request-step is in
 the state its request's previous steps left it in (after a miss, after a full
 accept, resting, default), kept in the request's record
@@ -138,6 +146,21 @@ def _observe(evidence: EvidenceBuffer, pooled: list | None, typical: list | None
             pooled[bucket].observe_offers(asked, offered, level, rank)
 
 
+def _add_shadow(evidence: EvidenceBuffer, sink: int, bucket: int, depth: int, accepted: int, now: float) -> None:
+    """A shadow draft (``RequestStep.shadows``) into ``sink``'s buffered evidence: one ask of the
+    drafter (offered when ``depth`` > 0) and, when it offered, a chain of ``depth`` with τ =
+    ``accepted``, at context bucket ``bucket`` (where it was proposed); what a verified chain adds."""
+    if sink not in evidence.first:
+        evidence.first[sink] = now
+    tally = evidence.offers[sink].setdefault((bucket, 0, 0), [0, 0])
+    tally[0] += 1
+    tally[1] += depth > 0
+    if depth:
+        chains = evidence.chains[sink]
+        key = (bucket, depth, accepted)
+        chains[key] = chains.get(key, 0) + 1
+
+
 def _add_class_run(cs: ClassStats, rows: int, tokens: int, drafted: int, step_ms: float) -> None:
     """A run of ``rows`` request-steps of one class in one step: ``tokens`` emitted, ``drafted`` of
     them drafted (τ is 0 without a draft, so the accepted tokens are ``tokens - rows``)."""
@@ -176,7 +199,7 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
     step_ms = draft_ms + verify_ms + catch_up_ms  # every request of the step waits for all of it
     for row in rows:
         (rid, ctx, depth, width, nodes, accepted, ranks, cands, requested, requested_width, requested_nodes,
-         caught, name, rule, _) = row  # _: its domain (the drift monitor's)
+         caught, name, rule, _, shadows) = row  # _: its domain (the drift monitor's)
         # Its record, most recently reported now (a new request goes in at the end).
         request = active.get(rid)
         if request is None:
@@ -275,6 +298,13 @@ def apply_step(state: WorkerState, step: worker_pb2.StepReport, rows: list[Reque
                         first[sink] = now
                 if sink != TYPICAL_SINK:  # the strict rule's per-position counts (status page, metrics)
                     accept_counts[key] = accept_counts.get(key, 0) + 1
+        if shadows:
+            if sink < 0 or sink == TYPICAL_SINK:  # strict evidence from a relaxed row: counted, not used
+                counters.shadow_drafts_ignored += len(shadows)
+            else:
+                for s_ctx, _, s_depth, s_accepted in shadows:
+                    _add_shadow(evidence, sink, bisect_right(context_edges, s_ctx) - 1, s_depth, s_accepted, now)
+                counters.shadow_drafts += len(shadows)
         if depth:
             drafted += 1
             level_kv += depth * ctx

@@ -236,6 +236,9 @@ class Counters:
     unknown_class_queries: int = 0
     typical_request_steps: int = 0
     typical_violations: int = 0
+    # Shadow drafts (RequestStep.shadows) used as acceptance evidence, and those on relaxed rows (not used).
+    shadow_drafts: int = 0
+    shadow_drafts_ignored: int = 0
 
     def carry_from(self, previous: "Counters") -> None:
         for f in fields(self):

@@ -16,7 +16,9 @@ class's recent requests (``specctl_class_tpot_seconds``), τ and the share
 of request-steps that drafted, lifetime request-step and token counters,
 and the names nobody configured (``specctl_request_class_unknown_total``)
 and typical-rule steps of strict classes
-(``specctl_typical_acceptance_violations_total``).
+(``specctl_typical_acceptance_violations_total``). Shadow drafts used as
+acceptance evidence, and those on typical-rule rows left out
+(``specctl_shadow_drafts_total``).
 
 Labels: ``context_bucket`` and ``batch_bucket`` name half-open bucket ranges
 ``LO-HI`` (``LO-inf`` for the last), ``position`` is the draft position
@@ -154,6 +156,7 @@ class WorkerFacts:
     unknown_classes: tuple[int, int] = (0, 0)  # request-steps, Decide queries naming an unknown class
     typical_request_steps: int = 0  # verified with the typical rule for a class that allows it
     typical_violations: int = 0  # verified with the typical rule for a strict class
+    shadow_drafts: tuple[int, int] = (0, 0)  # RequestStep.shadows: used as acceptance evidence, ignored (relaxed rows)
     class_decisions: tuple[tuple[str, Decision], ...] = ()  # each class's cell at the worker's mean batch and context
 
 
@@ -226,6 +229,7 @@ def take_snapshot(controller: "Controller", history: "StatusHistory | None" = No
             classes=tuple(s.classes.summaries(now)),
             unknown_classes=(c.unknown_class_request_steps, c.unknown_class_queries),
             typical_request_steps=c.typical_request_steps, typical_violations=c.typical_violations,
+            shadow_drafts=(c.shadow_drafts, c.shadow_drafts_ignored),
             class_decisions=_class_decisions(s)))
     drift = None
     if alerting is not None:
@@ -438,8 +442,14 @@ def _classes(snap: MetricsSnapshot) -> Iterable[Metric]:
     violations = CounterMetricFamily("specctl_typical_acceptance_violations_total",
                                      "Request-steps verified with the typical rule for a class whose plan says "
                                      "strict (their acceptance is not used).", labels=["worker"])
+    shadows = CounterMetricFamily("specctl_shadow_drafts_total",
+                                  "Shadow drafts (chains proposed for requests that did not draft, compared with the "
+                                  "tokens emitted): used as acceptance evidence (used=true), or sent for a relaxed "
+                                  "row and not used (used=false).", labels=["worker", "used"])
     for w in snap.workers:
         wid = w.worker_id
+        shadows.add_metric([wid, "true"], w.shadow_drafts[0])
+        shadows.add_metric([wid, "false"], w.shadow_drafts[1])
         for c in w.classes:
             key = [wid, c.name]
             share.add_metric(key, c.share)
@@ -460,7 +470,7 @@ def _classes(snap: MetricsSnapshot) -> Iterable[Metric]:
         violations.add_metric([wid], w.typical_violations)
         for name, d in w.class_decisions:
             depth.add_metric([wid, name], d.depth)
-    yield from (share, tpot, target, measured, tau, spec, steps, tokens, typical, unknown, violations, depth)
+    yield from (share, tpot, target, measured, tau, spec, steps, tokens, typical, unknown, violations, depth, shadows)
 
 
 def _acceptance(snap: MetricsSnapshot) -> Iterable[Metric]:

@@ -161,9 +161,13 @@ def step_to_dict(step: worker_pb2.StepReport) -> dict[str, Any]:
             d["draft_confidence"] = [round(c, 6) for c in r.draft_confidence]
         if r.domain:
             d["domain"] = r.domain
-        for name in ("requested_depth", "requested_width", "requested_nodes", "caught_up_tokens"):
+        for name in ("requested_depth", "requested_width", "requested_nodes", "caught_up_tokens", "request_class",
+                     "acceptance_rule"):
             if getattr(r, name):
                 d[name] = getattr(r, name)
+        if r.shadows:
+            d["shadows"] = [{"context_len": s.context_len, "requested_depth": s.requested_depth, "depth": s.depth,
+                             "accepted": s.accepted} for s in r.shadows]
         requests.append(d)
     out = {"step_id": step.step_id, "timestamp": step.timestamp, "batch_size": step.batch_size,
            "draft_ms": step.draft_ms, "verify_ms": step.verify_ms, "requests": requests}

@@ -415,6 +415,10 @@ def step_to_proto(step: StepTelemetry) -> worker_pb2.StepReport:
             request_class=r.request_class,
             acceptance_rule=_RULE_VALUES[r.acceptance_rule] if r.acceptance_rule else 0,
         )
+        if r.shadows:
+            report.requests[-1].shadows.extend(worker_pb2.ShadowDraft(
+                context_len=s.context_len, requested_depth=s.requested_depth, depth=s.depth, accepted=s.accepted)
+                for s in r.shadows)
     return report
 
 

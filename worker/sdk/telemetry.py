@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from worker.sdk.shadow import ShadowOutcome
+
 
 @dataclass(slots=True)
 class RequestTelemetry:
@@ -26,6 +28,9 @@ class RequestTelemetry:
     ``acceptance_rule``: the rule this step verified it with, ``"strict"``
     (also ``""``) or ``"typical"`` — only where ``agent.acceptance_rule``
     allowed it for the class (the controller counts any other as a violation).
+    ``shadows``: the shadow drafts of this request that this step's tokens
+    resolved (:mod:`worker.sdk.shadow`; proposed at steps where it did not
+    draft, strict rule only).
     """
 
     request_id: str
@@ -44,6 +49,7 @@ class RequestTelemetry:
     caught_up_tokens: int = 0  # the drafter caught up on these before the draft (``CatchUp``)
     request_class: str = ""
     acceptance_rule: str = ""  # "" or "strict": lossless; "typical": relaxed
+    shadows: Sequence[ShadowOutcome] = ()
 
     def __post_init__(self) -> None:
         if self.acceptance_rule not in ("", "strict", "typical"):

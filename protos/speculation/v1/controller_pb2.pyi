@@ -261,7 +261,7 @@ class StratumAcceptance(_message.Message):
     def __init__(self, drafter_kind: _Optional[_Union[_worker_pb2.DrafterKind, str]] = ..., drafter_version: _Optional[str] = ..., context_len_min: _Optional[int] = ..., context_len_max: _Optional[int] = ..., alpha: _Optional[_Iterable[float]] = ..., effective_samples: _Optional[_Iterable[float]] = ..., expected_accepted_chain: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("hello", "connected", "plan_version", "acked_plan_version", "nacks", "steps_ingested", "last_report_at", "cost_model", "acceptance", "mean_batch_size", "mean_context_len", "observed_goodput_tok_s", "plan", "session", "last_seen_at", "expired", "streams_superseded", "plans_used", "last_nack_reason", "steps_received", "classes", "unknown_class_request_steps", "unknown_class_queries", "typical_violations", "acceptance_typical", "replica_id", "replica_live")
+    __slots__ = ("hello", "connected", "plan_version", "acked_plan_version", "nacks", "steps_ingested", "last_report_at", "cost_model", "acceptance", "mean_batch_size", "mean_context_len", "observed_goodput_tok_s", "plan", "session", "last_seen_at", "expired", "streams_superseded", "plans_used", "last_nack_reason", "steps_received", "classes", "unknown_class_request_steps", "unknown_class_queries", "typical_violations", "acceptance_typical", "replica_id", "replica_live", "shadow_drafts", "shadow_drafts_ignored")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,8 @@ class WorkerStatus(_message.Message):
     ACCEPTANCE_TYPICAL_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_LIVE_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_DRAFTS_IGNORED_FIELD_NUMBER: _ClassVar[int]
     hello: _worker_pb2.Hello
     connected: bool
     plan_version: int
@@ -316,7 +318,9 @@ class WorkerStatus(_message.Message):
     acceptance_typical: _containers.RepeatedCompositeFieldContainer[StratumAcceptance]
     replica_id: str
     replica_live: bool
-    def __init__(self, hello: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., connected: _Optional[bool] = ..., plan_version: _Optional[int] = ..., acked_plan_version: _Optional[int] = ..., nacks: _Optional[int] = ..., steps_ingested: _Optional[int] = ..., last_report_at: _Optional[float] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ..., acceptance: _Optional[_Iterable[_Union[StratumAcceptance, _Mapping]]] = ..., mean_batch_size: _Optional[float] = ..., mean_context_len: _Optional[float] = ..., observed_goodput_tok_s: _Optional[float] = ..., plan: _Optional[_Union[_plan_pb2.Plan, _Mapping]] = ..., session: _Optional[_Union[WorkerSession, str]] = ..., last_seen_at: _Optional[float] = ..., expired: _Optional[bool] = ..., streams_superseded: _Optional[int] = ..., plans_used: _Optional[int] = ..., last_nack_reason: _Optional[str] = ..., steps_received: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStatus, _Mapping]]] = ..., unknown_class_request_steps: _Optional[int] = ..., unknown_class_queries: _Optional[int] = ..., typical_violations: _Optional[int] = ..., acceptance_typical: _Optional[_Iterable[_Union[StratumAcceptance, _Mapping]]] = ..., replica_id: _Optional[str] = ..., replica_live: _Optional[bool] = ...) -> None: ...
+    shadow_drafts: int
+    shadow_drafts_ignored: int
+    def __init__(self, hello: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., connected: _Optional[bool] = ..., plan_version: _Optional[int] = ..., acked_plan_version: _Optional[int] = ..., nacks: _Optional[int] = ..., steps_ingested: _Optional[int] = ..., last_report_at: _Optional[float] = ..., cost_model: _Optional[_Union[CostModel, _Mapping]] = ..., acceptance: _Optional[_Iterable[_Union[StratumAcceptance, _Mapping]]] = ..., mean_batch_size: _Optional[float] = ..., mean_context_len: _Optional[float] = ..., observed_goodput_tok_s: _Optional[float] = ..., plan: _Optional[_Union[_plan_pb2.Plan, _Mapping]] = ..., session: _Optional[_Union[WorkerSession, str]] = ..., last_seen_at: _Optional[float] = ..., expired: _Optional[bool] = ..., streams_superseded: _Optional[int] = ..., plans_used: _Optional[int] = ..., last_nack_reason: _Optional[str] = ..., steps_received: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStatus, _Mapping]]] = ..., unknown_class_request_steps: _Optional[int] = ..., unknown_class_queries: _Optional[int] = ..., typical_violations: _Optional[int] = ..., acceptance_typical: _Optional[_Iterable[_Union[StratumAcceptance, _Mapping]]] = ..., replica_id: _Optional[str] = ..., replica_live: _Optional[bool] = ..., shadow_drafts: _Optional[int] = ..., shadow_drafts_ignored: _Optional[int] = ...) -> None: ...
 
 class ClassStatus(_message.Message):
     __slots__ = ("name", "is_default", "weight", "tpot_target_ms", "tpot_quantile", "acceptance_rule", "share", "tpot_ms_p50", "tpot_ms_p99", "tpot_requests", "tau", "spec_fraction", "tokens_per_step", "step_ms_mean", "mean_context_len", "request_steps", "tokens", "typical_request_steps")

@@ -117,7 +117,7 @@ class VerifySample(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., verify_ms: _Optional[float] = ..., repeats: _Optional[int] = ...) -> None: ...
 
 class RequestStep(_message.Message):
-    __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain", "requested_depth", "requested_width", "requested_nodes", "caught_up_tokens", "request_class", "acceptance_rule")
+    __slots__ = ("request_id", "context_len", "depth", "width", "nodes", "accepted", "accepted_rank", "level_candidates", "draft_confidence", "domain", "requested_depth", "requested_width", "requested_nodes", "caught_up_tokens", "request_class", "acceptance_rule", "shadows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class RequestStep(_message.Message):
     CAUGHT_UP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RULE_FIELD_NUMBER: _ClassVar[int]
+    SHADOWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_len: int
     depth: int
@@ -150,7 +151,20 @@ class RequestStep(_message.Message):
     caught_up_tokens: int
     request_class: str
     acceptance_rule: _plan_pb2.AcceptanceRule
-    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., nodes: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_rank: _Optional[_Iterable[int]] = ..., level_candidates: _Optional[_Iterable[int]] = ..., draft_confidence: _Optional[_Iterable[float]] = ..., domain: _Optional[str] = ..., requested_depth: _Optional[int] = ..., requested_width: _Optional[int] = ..., requested_nodes: _Optional[int] = ..., caught_up_tokens: _Optional[int] = ..., request_class: _Optional[str] = ..., acceptance_rule: _Optional[_Union[_plan_pb2.AcceptanceRule, str]] = ...) -> None: ...
+    shadows: _containers.RepeatedCompositeFieldContainer[ShadowDraft]
+    def __init__(self, request_id: _Optional[str] = ..., context_len: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ..., nodes: _Optional[int] = ..., accepted: _Optional[int] = ..., accepted_rank: _Optional[_Iterable[int]] = ..., level_candidates: _Optional[_Iterable[int]] = ..., draft_confidence: _Optional[_Iterable[float]] = ..., domain: _Optional[str] = ..., requested_depth: _Optional[int] = ..., requested_width: _Optional[int] = ..., requested_nodes: _Optional[int] = ..., caught_up_tokens: _Optional[int] = ..., request_class: _Optional[str] = ..., acceptance_rule: _Optional[_Union[_plan_pb2.AcceptanceRule, str]] = ..., shadows: _Optional[_Iterable[_Union[ShadowDraft, _Mapping]]] = ...) -> None: ...
+
+class ShadowDraft(_message.Message):
+    __slots__ = ("context_len", "requested_depth", "depth", "accepted")
+    CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    context_len: int
+    requested_depth: int
+    depth: int
+    accepted: int
+    def __init__(self, context_len: _Optional[int] = ..., requested_depth: _Optional[int] = ..., depth: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("step_id", "timestamp", "batch_size", "draft_ms", "verify_ms", "requests", "catch_up_ms")

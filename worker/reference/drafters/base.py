@@ -15,6 +15,11 @@ request's first token, so on its first call the root is that token and
 ``hidden`` covers the whole prompt, unless the drafter took the prompt at
 admission (``CatchUp``). Drafters that do not need them
 (``needs_hidden = False``) get ``None``.
+
+A drafter may also say ``shadows = True``: its proposals cost nothing worth
+timing and are fixed by the context (prompt lookup), so the engine may
+propose shadow drafts for requests that do not draft (``worker.sdk.shadow``);
+without the attribute it proposes none.
 """
 
 from __future__ import annotations

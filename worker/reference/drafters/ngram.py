@@ -38,6 +38,9 @@ class NgramDrafter:
 
     kind = "ngram"
     needs_hidden = False
+    # A lookup is a few dict reads and its chain is fixed by the context: the engine may propose
+    # shadow drafts for requests that do not draft (worker.sdk.shadow), at no cost worth timing.
+    shadows = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 8, max_width: int = 4,
                  max_tree_nodes: int = 32, max_matches: int = 16) -> None:

@@ -26,6 +26,16 @@ One ``Engine.step()``:
    drafter, telemetry to the observer (draft ms, verify ms, per-position
    outcome, context length), finished rows leave the batch.
 
+**Shadow drafts** (``worker.sdk.shadow``): with a drafter whose proposals
+are nearly free and deterministic (``shadows = True``: prompt lookup), a
+strict row whose decision is off gets the chain of the drafter's depth
+proposed before the step when the shadows' trajectory says so (one open per
+request, ``ShadowDrafts.wants``), outside the step's draft and verify times
+(``EngineStats.shadow_s``), never verified; the tokens the row emits resolve
+it, and the row's telemetry of the step that did carries the outcome
+(``RequestTelemetry.shadows``): acceptance evidence for a request that does
+not draft. A row that drafts drops its open shadow.
+
 Greedy verification accepts a draft token only when it is the target's
 argmax after the accepted prefix, so the output is token for token what
 ``model.generate(do_sample=False)`` produces, whatever the drafter does.
@@ -67,6 +77,7 @@ from worker.reference.engine.cascade import PREFIX_VALID_KWARG, use_cascade_atte
 from worker.reference.engine.kv import BatchKV, SlotCache
 from worker.reference.engine.sampling import sample_accept_tree
 from worker.reference.engine.verify import STRICT, AcceptanceRule, _cache_kwarg, typical_passes
+from worker.sdk.shadow import ShadowDrafts
 from worker.sdk.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
 
 __all__ = ["Engine", "EngineStats", "Request", "rule_source", "static_decide"]
@@ -183,6 +194,8 @@ class EngineStats:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     catch_up_s: float = 0.0  # drafter catch-ups of rows switched on (``CatchUp``), outside draft_s
+    shadow_drafts: int = 0  # shadow drafts resolved and reported (``worker.sdk.shadow``)
+    shadow_s: float = 0.0  # proposing them, outside draft_s and verify_s
     repacks: int = 0
     finished: int = 0
 
@@ -238,6 +251,11 @@ class Engine:
         replace with ``set_classes``). A request's own ``acceptance``
         overrides its class's. ``decide`` gets a request's class as a fourth
         argument when it takes one (``SpeculationAgent.decide``).
+    shadows : bool, optional
+        Propose shadow drafts for off rows (module docstring). ``None``
+        (default): when the drafter says its proposals are cheap and
+        deterministic (``drafter.shadows``); ``True`` with any other drafter
+        raises.
     """
 
     def __init__(
@@ -255,6 +273,7 @@ class Engine:
         cascade: bool | None = None,
         acceptance: AcceptanceRule | str | tuple | None = None,
         classes=None,
+        shadows: bool | None = None,
     ) -> None:
         if not temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -269,6 +288,11 @@ class Engine:
         self.lm_head = model.get_output_embeddings()
         self._cache_kw = _cache_kwarg(type(self.base))
         self.drafter = drafter
+        cheap = drafter is not None and getattr(drafter, "shadows", False)
+        if shadows and not cheap:
+            raise ValueError(f"shadow drafts need a drafter with cheap, deterministic proposals (shadows = True), "
+                             f"not {getattr(drafter, 'kind', None)!r}")
+        self.shadows = ShadowDrafts(drafter.limits.max_depth) if cheap and shadows is not False else None
         if decide is None:
             decide = static_decide(Decision.chain(4) if drafter is not None else Decision.off())
         self.decide = decide
@@ -439,6 +463,7 @@ class Engine:
         decisions = self._decisions(ctx, batch)
         rules = [self.rule_for(row.req) for row in self.rows]  # once per step: telemetry reports these
         caught, catch_up_s = self._catch_up(decisions)
+        self._propose_shadows(decisions, rules, ctx)
 
         t0 = time.perf_counter()
         trees = self._draft(decisions)
@@ -539,6 +564,25 @@ class Engine:
         self.stats.catch_up_s += seconds
         return caught, seconds
 
+    def _propose_shadows(self, decisions: list[Decision], rules: list[AcceptanceRule], ctx: list[int]) -> None:
+        """Off strict rows whose shadow trajectory proposes now (``ShadowDrafts.wants``)
+        propose the chain of the shadows' depth, before the step emits their token;
+        outside the step's draft and verify times."""
+        shadows = self.shadows
+        if shadows is None:
+            return
+        due = [b for b, (row, d, rule) in enumerate(zip(self.rows, decisions, rules))
+               if d.depth == 0 and not rule.typical and shadows.wants(row.req.request_id)]
+        if not due:
+            return
+        t0 = time.perf_counter()
+        contexts = [DraftContext(self.rows[b].req.request_id, self.rows[b].tokens, None,
+                                 len(self.rows[b].req.prompt)) for b in due]
+        trees = self.drafter.propose(contexts, [Decision.chain(shadows.depth)] * len(due))
+        for b, tree in zip(due, trees):
+            shadows.start(self.rows[b].req.request_id, ctx[b], tree.tokens)
+        self.stats.shadow_s += time.perf_counter() - t0
+
     def _draft(self, decisions: list[Decision]) -> list[DraftTree]:
         if self.drafter is None:
             return [EMPTY_TREE] * len(self.rows)
@@ -567,9 +611,22 @@ class Engine:
         wants_hidden = self.drafter is not None and self.drafter.needs_hidden
         telemetry = []
         finished: list[int] = []
+        shadows = self.shadows
         for b, (row, tree, o) in enumerate(zip(self.rows, trees, outcomes)):
             req = row.req
             depth = tree.depth() if tree.num_nodes else 0
+            done = self._emit(row, o.tokens, now)
+            if done:
+                finished.append(b)
+            resolved = ()
+            if shadows is not None:
+                if decisions[b].depth:  # it drafts: a proposal of its own, and its verified tokens are evidence
+                    shadows.drop(req.request_id)
+                else:
+                    resolved = shadows.emitted(req.request_id, o.tokens)
+                    if done:
+                        resolved += shadows.finish(req.request_id)
+                    self.stats.shadow_drafts += len(resolved)
             telemetry.append(RequestTelemetry(
                 request_id=req.request_id,
                 context_len=ctx[b],
@@ -587,13 +644,12 @@ class Engine:
                 caught_up_tokens=caught.get(req.request_id, 0),
                 request_class=req.request_class,
                 acceptance_rule=rules[b].kind,
+                shadows=resolved,
             ))
             if wants_hidden:
                 row.pending.append(hidden[b, o.path].clone())
             req.steps += 1
             req.accepted_tokens += o.accepted
-            if self._emit(row, o.tokens, now):
-                finished.append(b)
             self.stats.row_steps += 1
             self.stats.spec_row_steps += depth > 0
             self.stats.draft_nodes += tree.num_nodes
@@ -641,6 +697,8 @@ class Engine:
         self.stats.finished += 1
         if self.drafter is not None:
             self.drafter.release(req.request_id)
+        if self.shadows is not None:
+            self.shadows.drop(req.request_id)
         if self.observer is not None:
             self.observer.finish(RequestSummary(req.request_id, len(req.output), req.steps, req.accepted_tokens,
                                                 time.time()))

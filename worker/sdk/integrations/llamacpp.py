@@ -23,7 +23,14 @@ is all this adapter relies on:
   lookup at all;
 - otherwise proposes up to that many tokens with the binding's own prompt
   lookup (``LlamaPromptLookupDecoding.find_candidate_pred_tokens``), wrapped,
-  not rewritten.
+  not rewritten;
+- at depth 0 (``shadows=True``, the default) looks up the ``max_depth``-token
+  chain it would have drafted anyway when the shadow trajectory says so (one
+  open per request, :mod:`worker.sdk.shadow`), returns nothing, and judges
+  that chain by the tokens the engine then emits: the step's telemetry
+  carries the shadow it resolved, so the controller keeps learning the
+  lookup's acceptance while speculation is off. The lookup is a scan of the
+  context in numpy, outside ``draft_ms``.
 
 No change to llama.cpp. What the binding does not expose, and what the
 adapter infers instead (docs/integration.md says the same):
@@ -59,6 +66,7 @@ from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecodi
 
 from policies.table import Decision
 from protos.speculation.v1 import worker_pb2
+from worker.sdk.shadow import ShadowDrafts
 from worker.sdk.telemetry import RequestSummary, RequestTelemetry, StepTelemetry
 
 __all__ = ["ControlledPromptLookup", "LookupStats", "StepRecord", "calibrate", "check_lossless_setup",
@@ -96,7 +104,9 @@ class LookupStats:
     requests: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    lookup_calls: int = 0  # calls into the binding's prompt lookup (none at depth 0)
+    lookup_calls: int = 0  # calls into the binding's prompt lookup for a draft (none at depth 0)
+    shadow_lookups: int = 0  # ... for a shadow draft at depth 0 (``shadows=True``)
+    shadow_drafts: int = 0  # shadow drafts resolved and reported
     empty_offers: int = 0  # lookups that found no continuation
     unobserved_steps: int = 0  # last steps of requests, never compared in full (see the module doc)
     prompt_forwards: int = 0
@@ -164,6 +174,10 @@ class ControlledPromptLookup(LlamaDraftModel):
         costs SmolLM2 about a decode step per prompt; a verify forward always
         keeps all of them). Set False if you read prompt logprobs
         (``echo=True`` with ``logprobs``).
+    shadows
+        At depth 0, look up the chain anyway and report how it would have
+        fared (shadow drafts, :mod:`worker.sdk.shadow`); False: no lookup at
+        depth 0 at all.
 
     Usage::
 
@@ -177,7 +191,7 @@ class ControlledPromptLookup(LlamaDraftModel):
 
     def __init__(self, agent: Decider | None = None, *, max_depth: int = 10, max_ngram_size: int = 2,
                  worker_tag: str = "llamacpp", keep_records: bool = False, trim_prompt_logits: bool = True,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 shadows: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         if max_ngram_size < 1:
@@ -197,6 +211,7 @@ class ControlledPromptLookup(LlamaDraftModel):
         self._request: _Request | None = None
         self._naming = _Naming()
         self._step_ids = itertools.count(1)
+        self._shadows = ShadowDrafts(max_depth) if shadows else None
 
     # ------------------------------------------------------------ set-up
     def attach(self, llama, agent: Decider | None = None) -> "ControlledPromptLookup":
@@ -270,6 +285,8 @@ class ControlledPromptLookup(LlamaDraftModel):
             self.stats.unobserved_steps += 1
         self._pending = None
         self._request = None
+        if self._shadows is not None:  # its last step is never credited: nothing to judge them by
+            self._shadows.drop(req.request_id)
         self._forwards.clear()  # the last verify belongs to the request that ended
         self.agent.finish(RequestSummary(
             request_id=req.request_id,
@@ -286,7 +303,7 @@ class ControlledPromptLookup(LlamaDraftModel):
             raise RuntimeError("ControlledPromptLookup.attach(llama) was not called: the adapter times the "
                                "engine's forwards and reads what it kept from the Llama it drafts for")
         n_past = len(input_ids) - 1  # where the next verify forward starts
-        self._credit(n_past, self._clock())
+        self._credit(input_ids, self._clock())
         req = self._request
         req.last_context = len(input_ids)
 
@@ -303,10 +320,17 @@ class ControlledPromptLookup(LlamaDraftModel):
         else:
             draft = np.empty(0, dtype=np.intc)
         self._pending = _Draft(req.request_id, n_past, decision, len(draft), (self._clock() - t0) * 1e3)
+        if self._shadows is not None and depth > 0:
+            self._shadows.drop(req.request_id)  # it drafts: its verified tokens are the evidence
+        elif self._shadows is not None and self._shadows.wants(req.request_id):  # after the draft's clock
+            self.stats.shadow_lookups += 1
+            found = LlamaPromptLookupDecoding.find_candidate_pred_tokens(
+                input_ids=input_ids, max_ngram_size=self.max_ngram_size, num_pred_tokens=self.max_depth)
+            self._shadows.start(req.request_id, n_past, [int(t) for t in found])
         return draft
 
     # ------------------------------------------------------- bookkeeping
-    def _credit(self, n_past: int, now: float) -> None:
+    def _credit(self, input_ids: npt.NDArray[np.intc], now: float) -> None:
         """Credit the step that ran since the last call, or start a request.
 
         The step's verify time runs from its forward's start to this call: the
@@ -315,6 +339,7 @@ class ControlledPromptLookup(LlamaDraftModel):
         drafting. Timing the forward alone left out about 0.5 ms of each
         speculative step's sampling and rejection on SmolLM2, enough to make a
         one-token draft look break-even when it lost 5 % of wall-clock speed."""
+        n_past = len(input_ids) - 1
         forwards, pending = list(self._forwards), self._pending
         self._forwards.clear()
         kept = self._llama.n_tokens
@@ -324,8 +349,10 @@ class ControlledPromptLookup(LlamaDraftModel):
                 and pending.n_past + 1 <= kept == n_past <= pending.n_past + verify.tokens):
             # One forward from where the draft began, of at most the drafted tokens (the engine
             # trims a draft at the context's end): a verify. Kept tokens = last sample + accepted.
+            # The step emitted the accepted drafts and the new sample: what follows its root.
+            emitted = input_ids[pending.n_past + 1:].tolist()
             self._report(pending, drafted=verify.tokens - 1, accepted=kept - pending.n_past - 1,
-                         verify_ms=(now - verify.started) * 1e3)
+                         verify_ms=(now - verify.started) * 1e3, emitted=emitted)
             return
         # Anything else is a prompt being evaluated: a new request starts here.
         if pending is not None and self._request is not None:
@@ -347,8 +374,10 @@ class ControlledPromptLookup(LlamaDraftModel):
         self._request = _Request(rid, naming.domain, prompt_tokens)
         self.stats.requests += 1
 
-    def _report(self, draft: _Draft, drafted: int, accepted: int, verify_ms: float) -> None:
+    def _report(self, draft: _Draft, drafted: int, accepted: int, verify_ms: float, emitted: list[int]) -> None:
         req = self._request
+        shadows = self._shadows.emitted(req.request_id, emitted) if self._shadows is not None else []
+        self.stats.shadow_drafts += len(shadows)
         req.steps += 1
         req.accepted += accepted
         d = draft.decision
@@ -373,6 +402,7 @@ class ControlledPromptLookup(LlamaDraftModel):
                 requested_depth=d.depth,
                 requested_width=d.width,
                 requested_nodes=d.max_nodes,
+                shadows=shadows,
             )],
         ))
         if self.records is not None:
