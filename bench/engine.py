@@ -91,10 +91,25 @@ passes would not be fair).
 ``static_vs_controller`` gains ``second_pass``: the shape, its speedup, the
 controllers' and their ratios to max(shape, plain). Its controllers record
 to ``engine-telemetry-confirm-{cold,warm}-bB.jsonl.gz``.
+
+The controllers' clock (:class:`RunClock`): in a lockstep of twenty engines
+each engine steps once every twenty steps' time, so on the wall clock a
+controller would see its worker step at a twentieth of the rate it would
+serving alone: its acceptance evidence (half-life 120 s) would fade over
+about twenty times fewer steps, and the warm controller's warm-up would be
+worth little by the end of a run (EAGLE at batch 8 took about 5.5 s of wall
+time a step in run G, 45 steps in 250 s, two half-lives), as would the wait
+between a controller's warm-up and its timed run. So each in-process
+controller runs on a clock of its own engines' time: it runs with the wall
+clock while one of its engines decodes alone (the warm-ups), stands still
+in between, and in a lockstep moves each round by the mean step time of its
+own engines in that round, what serving alone would have taken. Runs before
+run I used the wall clock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -135,6 +150,10 @@ class EngineRun:
     spec_fraction: float = 0.0  # share of row-steps that drafted
     nodes_per_spec_row_step: float = 0.0  # mean tree size when drafting
     speedup_vs_hf_plain: float = 0.0  # transformers runs: against transformers' plain generate (CPU time)
+    # Shadow drafts of off rows (worker.sdk.shadow; n-gram): resolved and reported, and their share of the
+    # engine's time per step (proposing them; inside the timed step, outside draft_ms and verify_ms).
+    shadow_drafts: int = 0
+    shadow_ms_per_step: float = 0.0
 
 
 @dataclass
@@ -152,6 +171,8 @@ class _Tally:
     draft_s: float = 0.0
     verify_s: float = 0.0
     catch_up_s: float = 0.0
+    shadow_drafts: int = 0
+    shadow_s: float = 0.0
     lossless: bool = True
     note: str = ""
 
@@ -166,6 +187,8 @@ class _Tally:
         self.draft_s += stats.draft_s
         self.verify_s += stats.verify_s
         self.catch_up_s += stats.catch_up_s
+        self.shadow_drafts += stats.shadow_drafts
+        self.shadow_s += stats.shadow_s
         self.lossless &= lossless
 
     def add_peer(self, peer: "_SteppedGenerate", reference) -> None:
@@ -189,7 +212,51 @@ class _Tally:
                          verify_ms_per_step=round(1e3 * self.verify_s / steps, 2),
                          catch_up_ms_per_step=round(1e3 * self.catch_up_s / steps, 3), steps=self.steps, note=self.note,
                          spec_fraction=round(self.spec_row_steps / max(self.row_steps, 1), 3),
-                         nodes_per_spec_row_step=round(self.draft_nodes / max(self.spec_row_steps, 1), 2))
+                         nodes_per_spec_row_step=round(self.draft_nodes / max(self.spec_row_steps, 1), 2),
+                         shadow_drafts=self.shadow_drafts, shadow_ms_per_step=round(1e3 * self.shadow_s / steps, 4))
+
+
+class RunClock:
+    """A benchmark controller's clock: seconds since the epoch that pass only while
+    the controller's engines decode (module docstring).
+
+    It starts at the wall clock's time; :meth:`live` lets it run with the wall clock
+    (an engine of the controller's decoding alone), :meth:`advance` moves it by a
+    given time (its engines' share of a lockstep round); otherwise it stands still.
+
+    >>> clock = RunClock(start=100.0)
+    >>> clock.advance(0.25); clock()
+    100.25
+    """
+
+    def __init__(self, start: float | None = None) -> None:
+        self._lock = threading.Lock()
+        self._at = time.time() if start is None else float(start)
+        self._live_since: float | None = None
+
+    def __call__(self) -> float:
+        with self._lock:
+            if self._live_since is None:
+                return self._at
+            return self._at + (time.perf_counter() - self._live_since)
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"a clock moves forward, not by {seconds} s")
+        with self._lock:
+            self._at += seconds
+
+    @contextlib.contextmanager
+    def live(self):
+        """Run with the wall clock inside the block."""
+        with self._lock:
+            self._live_since = time.perf_counter()
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._at += time.perf_counter() - self._live_since
+                self._live_since = None
 
 
 # Static trees beside the chains: (depth, width, draft nodes), each clamped to a
@@ -453,12 +520,14 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         and outcomes, readable step by step afterwards) and one agent per learned drafter."""
         from worker.sdk.agent import AgentOptions, SpeculationAgent
 
-        ctl = BackgroundController(engine_controller_config(policy, str(out / record), controller_overrides))
+        clock = RunClock()
+        ctl = BackgroundController(engine_controller_config(policy, str(out / record), controller_overrides), clock)
         agents = {}
         try:
             for d in learned:
                 hello = make_hello(f"bench-{d}{suffix}", model_name, model, built[d], max(batches), calibration)
                 agents[d] = SpeculationAgent(hello, ctl.address, AgentOptions(fallback=Decision.chain(2))).start()
+                clocks[id(agents[d])] = clock
         except BaseException:
             stop_controller(ctl, agents)
             raise
@@ -479,8 +548,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                                                 f"-{CONFIRM}{tag}-b{batch}"))
             (_, cold_agents), (_, warm_agents) = started
             for d, agent in warm_agents.items():  # untimed, as the main warm controller's warm-up
-                Engine(model, built[d], agent.decide, observer=agent, max_batch=batch).generate(warm_ids,
-                                                                                              max_new_tokens)
+                with clocks[id(agent)].live():
+                    Engine(model, built[d], agent.decide, observer=agent, max_batch=batch).generate(warm_ids,
+                                                                                                  max_new_tokens)
             again = [("none", f"{CONFIRM}plain", None, None, None)]
             for d in learned:
                 if picked.get(d):
@@ -488,7 +558,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                 for tag, agents in (("cold", cold_agents), ("warm", warm_agents)):
                     again.append((d, f"{CONFIRM}{policy}-{tag}", built[d], agents[d].decide, agents[d]))
             again.append(("none", f"{CONFIRM}plain-repeat", None, None, None))
-            _lockstep(model, Engine, again, (), ids, reference, batch, max_new_tokens, tallies)
+            _lockstep(model, Engine, again, (), ids, reference, batch, max_new_tokens, tallies, clocks)
             for _, agents in started:  # the recordings hold the last requests too
                 _settle(agents)
         finally:
@@ -502,6 +572,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     reference = Engine(model, max_batch=len(ids)).generate(ids, max_new_tokens)
     truth = {tuple(p): o for p, o in zip(ids, reference)}
     tallies: dict[tuple[str, str, int], _Tally] = {}
+    clocks: dict[int, RunClock] = {}  # id(agent) -> its controller's clock
     fitted: dict = {}
     warmup_acceptance: dict[tuple[str, int], PositionAcceptance] = {}
     eval_shape = {d: eval_acceptance_shape(shapes[d]) for d in learned}
@@ -514,8 +585,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
             # Its acceptance there is counted on the way (``acceptance_warmup_vs_eval``).
             for d, agent in warm_agents.items():
                 counts = warmup_acceptance[(d, batch)] = PositionAcceptance()
-                Engine(model, built[d], agent.decide, observer=_Tee(agent, counts),
-                       max_batch=batch).generate(warm_ids, max_new_tokens)
+                with clocks[id(agent)].live():
+                    Engine(model, built[d], agent.decide, observer=_Tee(agent, counts),
+                           max_batch=batch).generate(warm_ids, max_new_tokens)
             # The cold one: a controller of its own for this batch size, no traffic before the timed run.
             cold_ctl, cold_agents = (start_controller(f"engine-telemetry-cold-b{batch}.jsonl.gz", f"-cold-b{batch}")
                                      if controlled else (None, {}))
@@ -539,7 +611,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                     specs.append(("none", "plain-default-kernels", None, None, None, default_model))
                 # transformers' generate, batch 1 only: plain greedy (k = 0) and prompt lookup at each depth
                 hf_depths = (0, *depths) if batch == 1 else ()
-                _lockstep(model, Engine, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies)
+                _lockstep(model, Engine, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies, clocks)
                 if confirm and controlled and warm_ids:
                     picked = {d: best_static_name(tallies, d, batch, basis) for d in learned}
                     second_pass(picked, batch)
@@ -672,7 +744,8 @@ def static_vs_controller(runs, policy: str) -> list[dict]:
     return out
 
 
-def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies) -> None:
+def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies,
+              clocks: dict[int, RunClock] | None = None) -> None:
     """Run every configuration of ``specs`` side by side, one engine step each
     in turn (the starting engine rotates every round), timing each step.
 
@@ -683,15 +756,19 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
     tokens), each over all prompts one at a time and stepped one target
     forward per round like the engines (``_SteppedGenerate``). Every
     configuration runs in a thread of its own (``_SteppedEngine``), none in
-    the driver's.
+    the driver's. ``clocks``: id(observer) -> its controller's :class:`RunClock`;
+    after each round a clock moves by the mean step time of its engines in it.
     """
     from worker.reference.progress import ProgressBar
 
     runners, requests = {}, {}
+    own_clock: dict[tuple, RunClock] = {}  # runner key -> the clock of the controller it reports to
     bar = None
     try:
         for i, (name, pol, drafter, decide, observer, *own_model) in enumerate(specs):
             key = (name, pol, batch)
+            if clocks and id(observer) in clocks:
+                own_clock[key] = clocks[id(observer)]
             engine = engine_cls(own_model[0] if own_model else model, drafter, decide, observer=observer,
                                 max_batch=batch)
             requests[key] = [engine.submit(p, max_new_tokens) for p in ids]
@@ -709,10 +786,17 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
             if not live:
                 break
             shift = rounds % len(live)
+            moved: dict[int, list] = {}  # id(clock) -> [clock, Σ step seconds, engines]
             for key in live[shift:] + live[:shift]:
                 secs, cpu = runners[key].step()
                 tallies[key].secs += secs
                 tallies[key].cpu += cpu
+                if key in own_clock:
+                    m = moved.setdefault(id(own_clock[key]), [own_clock[key], 0.0, 0])
+                    m[1] += secs
+                    m[2] += 1
+            for clock, total, engines in moved.values():  # as if its engines had run alone, side by side
+                clock.advance(total / engines)
             rounds += 1
             bar.update(1)
     finally:

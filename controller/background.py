@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from typing import Callable
 
 from controller.config import ServerConfig
 from controller.server import RunningServer, start_server
@@ -26,13 +28,16 @@ class BackgroundController:
     ----------
     config : ServerConfig
         ``listen`` may name port 0: ``address`` gives the port it got.
+    clock : callable, optional
+        The controller's clock, seconds since the epoch (default ``time.time``):
+        evidence decay, idle expiry and plan pacing run on it.
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.time) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="specctl-controller")
         self._thread.start()
-        self.running: RunningServer = self.call(start_server(config), timeout=60)
+        self.running: RunningServer = self.call(start_server(config, clock=clock), timeout=60)
         self.address = self.running.address
 
     def call(self, coro, timeout: float = 30.0):

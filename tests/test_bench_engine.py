@@ -261,3 +261,47 @@ def test_the_confirmation_pass_times_the_fastest_static_run_on_the_benchmark_bas
     assert best_static_name(tallies, "eagle", 4) == "static-d1"  # CPU time; never a controller run
     assert best_static_name(tallies, "eagle", 4, basis="wall") == "static-d2w4n5"
     assert best_static_name(tallies, "ngram", 4) == ""
+
+
+def test_a_controllers_clock_runs_on_its_own_engines_time_in_a_lockstep():
+    """In a lockstep each engine steps once a round: the controller its engine reports to must see
+    its worker's time (what serving alone takes), not the wall clock's, which would fade its
+    evidence over a fraction of the steps (bench.engine module docstring)."""
+    import time
+
+    import torch
+
+    from bench.engine import RunClock, _lockstep
+    from worker.reference.drafters.ngram import NgramDrafter
+    from worker.reference.engine.engine import Engine, static_decide
+    from worker.reference.models import tiny_llama
+
+    torch.set_num_threads(1)
+    model, vocab = tiny_llama(seed=0)
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (6, 9)]
+    reference = Engine(model, max_batch=2).generate(ids, 8)
+
+    class Seen:
+        def observe(self, step):
+            pass
+
+        def finish(self, summary):
+            pass
+
+    watched, clock = Seen(), RunClock(start=1000.0)
+    specs = [("none", "plain", None, None, None), ("none", "plain-2", None, None, None),
+             ("ngram", "static-d2", NgramDrafter(), static_decide(Decision.chain(2)), watched)]
+    tallies = {}
+    t0 = time.perf_counter()
+    _lockstep(model, Engine, specs, (), ids, reference, 2, 8, tallies, {id(watched): clock})
+    wall = time.perf_counter() - t0
+    own = tallies[("ngram", "static-d2", 2)].secs
+    assert clock() - 1000.0 == pytest.approx(own, rel=1e-9)  # its one engine's step times, summed
+    assert clock() - 1000.0 < 0.6 * wall  # not the lockstep's wall time (three engines took turns)
+    assert all(t.lossless for t in tallies.values())
+    with clock.live():
+        time.sleep(0.05)
+    assert clock() - 1000.0 == pytest.approx(own + 0.05, abs=0.03)
+    with pytest.raises(ValueError, match="forward"):
+        clock.advance(-1.0)
