@@ -181,6 +181,22 @@ def _check_shadows(shadows, context_len: int, limits: DrafterLimits, path: str, 
         _check_shadow(shadow, context_len, limits, f"{path}.shadows[{i}]", step_id)
 
 
+def _shadow_rows(shadows, context_len: int, limits: DrafterLimits, path: str,
+                 step_id: int) -> tuple[tuple[int, int, int, int], ...]:
+    """``RequestStep.shadows`` as (context_len, requested_depth, depth, accepted), each field read
+    once (the ingest path); anything out of range goes to :func:`_check_shadows`, which names it."""
+    max_depth = limits.max_depth
+    out = []
+    for s in shadows:
+        row = (s.context_len, s.requested_depth, s.depth, s.accepted)
+        if not (0 <= row[0] <= context_len and 1 <= row[1] <= max_depth and 0 <= row[3] <= row[2] <= row[1]):
+            _check_shadows(shadows, context_len, limits, path, step_id)
+        out.append(row)
+    if len(out) > max_depth:
+        _check_shadows(shadows, context_len, limits, path, step_id)
+    return tuple(out)
+
+
 def _check_shadow(shadow: worker_pb2.ShadowDraft, context_len: int, limits: DrafterLimits, path: str,
                   step_id: int) -> None:
     if not 0 <= shadow.context_len <= context_len:
@@ -293,17 +309,13 @@ def validate_step(step: worker_pb2.StepReport, limits: DrafterLimits, path: str,
         ) and (caught == 0 or (requested and 0 < caught <= ctx)) and 0 <= (rule := r.acceptance_rule) <= TYPICAL \
                 and not ranks and not r.level_candidates and not r.draft_confidence:
             shadows = r.shadows  # a prompt-lookup worker's off rows carry one every step or two
-            if shadows:
-                _check_shadows(shadows, ctx, limits, f"{path}.requests[{len(rows)}]", sid)
-                shadows = tuple((s.context_len, s.requested_depth, s.depth, s.accepted) for s in shadows)
-            else:
-                shadows = ()
+            shadows = _shadow_rows(shadows, ctx, limits, f"{path}.requests[{len(rows)}]", sid) if shadows else ()
             rows.append(_new_row(RequestRow, (rid, ctx, depth, width, nodes, accepted, None, None, requested,
                                               requested_width, requested_nodes, caught, r.request_class, rule,
                                               r.domain, shadows)))
             continue
         validate_request_step(r, limits, f"{path}.requests[{len(rows)}]", sid)  # rows: one per request before it
-        shadows = tuple((s.context_len, s.requested_depth, s.depth, s.accepted) for s in r.shadows)
+        shadows = _shadow_rows(r.shadows, ctx, limits, path, sid) if r.shadows else ()  # checked above
         if depth and ranks:
             rows.append(RequestRow(rid, ctx, depth, width, nodes, accepted, tuple(ranks), tuple(r.level_candidates),
                                    requested, requested_width, requested_nodes, caught, r.request_class,

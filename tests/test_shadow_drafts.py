@@ -14,7 +14,6 @@ requests that do not draft.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -28,7 +27,7 @@ from controller.protocol import validate_request_step
 from controller.server import start_server
 from policies.presets import load_preset
 from policies.table import Decision, DecisionTable
-from protos.speculation.v1 import controller_pb2, plan_pb2, worker_pb2
+from protos.speculation.v1 import plan_pb2, worker_pb2
 from tests.support import TRUTH, free_port, make_hello, wait_for
 from tests.test_integration_raw import RawStream, get_status, reports
 from worker.reference.drafters.ngram import NgramDrafter
@@ -76,7 +75,7 @@ def test_shadows_follow_the_trajectory_of_a_drafting_request() -> None:
         ShadowOutcome(1, 3, 1, 2)
 
 
-def _trajectory_holds(shadows: list[ShadowOutcome], depth: int) -> None:
+def _trajectory_holds(shadows: list[ShadowOutcome]) -> None:
     """A request's shadows, in order, are proposals of a request drafting chains: a chain
     proposed at context c that accepts a emits a + 1 tokens (the accepted, then the
     target's own), so the next proposal is at c + a + 1 or later (later: steps that drafted)."""
@@ -176,7 +175,7 @@ def test_engine_shadows_are_what_lookup_would_have_offered_judged_by_the_tokens_
                 found += 1
                 accepted += s.accepted
     for outcomes in by_request.values():
-        _trajectory_holds(outcomes, 5)
+        _trajectory_holds(outcomes)
     assert found >= 20 and found == engine.stats.shadow_drafts
     assert accepted > 0  # the repeated prompts give lookup something to match
     assert engine.stats.shadow_s > 0.0

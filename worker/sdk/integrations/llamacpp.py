@@ -350,7 +350,7 @@ class ControlledPromptLookup(LlamaDraftModel):
             # One forward from where the draft began, of at most the drafted tokens (the engine
             # trims a draft at the context's end): a verify. Kept tokens = last sample + accepted.
             # The step emitted the accepted drafts and the new sample: what follows its root.
-            emitted = input_ids[pending.n_past + 1:].tolist()
+            emitted = input_ids[pending.n_past + 1:].tolist() if self._shadows is not None else []
             self._report(pending, drafted=verify.tokens - 1, accepted=kept - pending.n_past - 1,
                          verify_ms=(now - verify.started) * 1e3, emitted=emitted)
             return
