@@ -305,3 +305,54 @@ def test_a_controllers_clock_runs_on_its_own_engines_time_in_a_lockstep():
     assert clock() - 1000.0 == pytest.approx(own + 0.05, abs=0.03)
     with pytest.raises(ValueError, match="forward"):
         clock.advance(-1.0)
+
+
+def test_a_lockstep_steps_every_engine_once_a_round_in_a_fresh_order():
+    """No engine may always step right after the same one: where it steps moves its step time by
+    about a percent (bench.engine module docstring). Each round steps every live engine exactly once,
+    the orders vary from round to round, every engine has more than one predecessor, and the orders
+    repeat from run to run (seeded by the batch size)."""
+    import torch
+
+    from bench.engine import _lockstep
+    from worker.reference.engine.engine import Engine
+    from worker.reference.models import tiny_llama
+
+    torch.set_num_threads(1)
+    model, vocab = tiny_llama(seed=0)
+    gen = torch.Generator().manual_seed(7)
+    ids = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 8)]
+    reference = Engine(model, max_batch=2).generate(ids, 10)
+
+    def stepped_orders() -> list[list[str]]:
+        log: list[str] = []
+
+        class Logged(Engine):
+            def step(self):
+                log.append(self.name)
+                return super().step()
+
+        def engine_cls(*args, name, **kwargs):
+            engine = Logged(*args, **kwargs)
+            engine.name = name
+            return engine
+
+        names = [f"plain-{i}" for i in range(5)]
+        specs = [("none", n, None, None, None) for n in names]
+        made = iter(names)
+        tallies = {}
+        _lockstep(model, lambda *a, **k: engine_cls(*a, name=next(made), **k), specs, (), ids, reference, 2, 10,
+                  tallies)
+        assert all(t.lossless for t in tallies.values())
+        rounds = [log[i:i + len(names)] for i in range(0, len(log), len(names))]
+        assert all(sorted(r) == names for r in rounds)  # every engine once a round (all ran the same steps)
+        return rounds
+
+    rounds = stepped_orders()
+    assert len(rounds) >= 8 and len({tuple(r) for r in rounds}) > 5
+    predecessors: dict[str, set[str]] = {}
+    for r in rounds:
+        for before, after in zip(r, r[1:]):
+            predecessors.setdefault(after, set()).add(before)
+    assert all(len(p) > 1 for p in predecessors.values())
+    assert stepped_orders() == rounds

@@ -779,10 +779,14 @@ class SpeculationAgent:
                 placement.lasted(endpoint, up_for)
                 nxt = endpoint
                 if outcome == "superseded":
+                    # A twin holds the id: wait the longest delay, jittered in its upper half only. Full
+                    # jitter drew waits near zero one time in a few dozen, and took the id straight back.
                     backoff = opts.backoff_max_s
-                elif up_for > 2.0:
-                    backoff = opts.backoff_initial_s  # the link was healthy: start over
-                delay = random.uniform(0, backoff)
+                    delay = random.uniform(backoff / 2, backoff)
+                else:
+                    if up_for > 2.0:
+                        backoff = opts.backoff_initial_s  # the link was healthy: start over
+                    delay = random.uniform(0, backoff)
                 backoff = min(backoff * 2, opts.backoff_max_s)
             self._settle(endpoint, nxt, outcome)
             endpoint = nxt
