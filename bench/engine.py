@@ -51,8 +51,10 @@ starting engine only rotated, each engine always stepped right after the
 same one, and three EAGLE engines that never draft measured 0.982 of plain
 beside it over three lockstep passes at batch 8 (0.998 with the order drawn
 each round, three passes on the same code; identical engines spread 2.0-5.6 %
-against 1.2-2.1 %). Each configuration runs in a thread of its own and only one runs at
-a time: an engine stepped in the process's main thread took 4-6 % more CPU
+against 1.2-2.1 %; docs/benchmarks.md, runs K and L).
+
+Each configuration runs in a thread of its own and only one runs at a
+time: an engine stepped in the process's main thread took 4-6 % more CPU
 per step than the same engine in a thread of its own (the peers always had
 one), so none runs in the main thread. Greedy outputs do not depend on the
 configuration: one untimed plain pass first gives the reference and the
@@ -110,7 +112,10 @@ controller runs on a clock of its own engines' time: it runs with the wall
 clock while one of its engines decodes alone (the warm-ups), stands still
 in between, and in a lockstep moves each round by the mean step time of its
 own engines in that round, what serving alone would have taken. Runs before
-run I used the wall clock.
+run I used the wall clock. And each round ends with the controllers in sync
+(:class:`ControlSync`): their agents' steps read, the due plans pushed and
+applied, so how many steps a plan takes to arrive is no race against the
+order of the turns.
 """
 
 from __future__ import annotations
@@ -124,13 +129,14 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from policies.table import Decision
 from worker.reference.threads import inherit_threads, set_threads
 
-__all__ = ["CONFIRM", "DEFAULT_DEPTHS", "best_static_name", "DEFAULT_TREES", "EngineRun", "PositionAcceptance", "acceptance_warmup_vs_eval",
+__all__ = ["CONFIRM", "ControlSync", "DEFAULT_DEPTHS", "best_static_name", "DEFAULT_TREES", "EngineRun", "PositionAcceptance", "acceptance_warmup_vs_eval",
            "engine_controller_config",
            "eval_and_warmup_prompts", "eval_prompts", "eval_acceptance_shape", "run_engine_bench", "static_shapes",
            "static_vs_controller"]
@@ -274,6 +280,70 @@ class RunClock:
 DEFAULT_TREES = ((2, 4, 5), (3, 2, 5), (4, 2, 6), (4, 4, 12))
 DEFAULT_DEPTHS = (1, 2, 4)
 WARMUP_SOURCE = "held-out prompts of the shipped 'all' set that are not evaluation prompts"
+
+
+class ControlSync:
+    """The end of a lockstep round for the benchmark's controllers: every step
+    their agents observed is read, the plans due on their clocks are pushed,
+    and each agent has applied (acknowledged) what was pushed, before any
+    engine steps again.
+
+    Why: an agent sends its telemetry every ``flush_interval_s`` and a
+    controller plans on its ticks, so how many steps a plan takes to arrive
+    would be a race against the lockstep's turns: with the turns in a fresh
+    order every round an engine may step again right after its last turn, or
+    a round and a half later. Here a plan computed on the telemetry of a
+    round is in force from the next round on, in every run and for every
+    controller alike. (It does not make two runs decide alike: the
+    controllers fit their cost models on measured step times, and in the
+    break-even cells those decide; docs/benchmarks.md, runs K and L.)
+
+    ``controllers``: ``(BackgroundController, agents)`` pairs, agents by name.
+    """
+
+    def __init__(self, controllers, timeout_s: float = 30.0, poll_s: float = 0.001) -> None:
+        self.controllers = list(controllers)
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.rounds = 0
+        self.seconds = 0.0  # wall time spent waiting, over all rounds
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        for ctl, agents in self.controllers:
+            sent = {a.hello.worker_id: a for a in agents.values()}
+            while not ctl.call(_read_then_plan(ctl.running, {w: a.stats.steps_sent for w, a in sent.items()},
+                                               [a for a in sent.values() if a.queued_steps()])):
+                self._wait(deadline, "the controller to read its agents' steps")
+            while not ctl.call(_plans_applied(ctl.running, list(sent))):
+                self._wait(deadline, "the agents to apply the plans pushed")
+        self.rounds += 1
+        self.seconds += time.perf_counter() - t0
+
+    def _wait(self, deadline: float, what: str) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench engine: waited {self.timeout_s:g} s for {what}")
+        time.sleep(self.poll_s)
+
+
+async def _read_then_plan(running, steps_sent: dict[str, int], queued: list) -> bool:
+    """True, with the due plans pushed, once every agent's queue is empty and the
+    controller has ingested every step each sent; False (nothing pushed) before."""
+    if queued:
+        return False
+    workers = running.controller.workers
+    for worker_id, n in steps_sent.items():
+        state = workers.get(worker_id)
+        if n and (state is None or state.steps_ingested < n):
+            return False
+    await running.servicer.push_due_plans(60.0)
+    return True
+
+
+async def _plans_applied(running, worker_ids: list[str]) -> bool:
+    """Whether every plan and request-decisions message sent to these workers has been acknowledged."""
+    workers = running.controller.workers
+    return all(w not in workers or not workers[w].plans.pending for w in worker_ids)
 
 
 def eval_prompts(n: int, held_out: float = 0.1):
@@ -533,7 +603,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         try:
             for d in learned:
                 hello = make_hello(f"bench-{d}{suffix}", model_name, model, built[d], max(batches), calibration)
-                agents[d] = SpeculationAgent(hello, ctl.address, AgentOptions(fallback=Decision.chain(2))).start()
+                agents[d] = SpeculationAgent(hello, ctl.address, AgentOptions(fallback=Decision.chain(2), flush_interval_s=0.005)).start()
                 clocks[id(agents[d])] = clock
         except BaseException:
             stop_controller(ctl, agents)
@@ -565,7 +635,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                 for tag, agents in (("cold", cold_agents), ("warm", warm_agents)):
                     again.append((d, f"{CONFIRM}{policy}-{tag}", built[d], agents[d].decide, agents[d]))
             again.append(("none", f"{CONFIRM}plain-repeat", None, None, None))
-            _lockstep(model, Engine, again, (), ids, reference, batch, max_new_tokens, tallies, clocks)
+            syncs.append(ControlSync(started))
+            _lockstep(model, Engine, again, (), ids, reference, batch, max_new_tokens, tallies, clocks, syncs[-1])
             for _, agents in started:  # the recordings hold the last requests too
                 _settle(agents)
         finally:
@@ -580,6 +651,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     truth = {tuple(p): o for p, o in zip(ids, reference)}
     tallies: dict[tuple[str, str, int], _Tally] = {}
     clocks: dict[int, RunClock] = {}  # id(agent) -> its controller's clock
+    syncs: list[ControlSync] = []  # one per lockstep with controllers
     fitted: dict = {}
     warmup_acceptance: dict[tuple[str, int], PositionAcceptance] = {}
     eval_shape = {d: eval_acceptance_shape(shapes[d]) for d in learned}
@@ -618,7 +690,10 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                     specs.append(("none", "plain-default-kernels", None, None, None, default_model))
                 # transformers' generate, batch 1 only: plain greedy (k = 0) and prompt lookup at each depth
                 hf_depths = (0, *depths) if batch == 1 else ()
-                _lockstep(model, Engine, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies, clocks)
+                syncs.append(ControlSync([(c, a) for c, a in ((warm_ctl, warm_agents), (cold_ctl, cold_agents))
+                                          if c is not None]))
+                _lockstep(model, Engine, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies, clocks,
+                          syncs[-1])
                 if confirm and controlled and warm_ids:
                     picked = {d: best_static_name(tallies, d, batch, basis) for d in learned}
                     second_pass(picked, batch)
@@ -669,6 +744,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "controller_warmup_prompts": [p.id for p in warm_items] if warm_agents else [],
         "controller_warmup_source": WARMUP_SOURCE if warm_agents else "",
         "controller_config": dict(controller_overrides or {}),
+        # the lockstep rounds that ended with a ControlSync, and the wall seconds it waited (outside every timing)
+        "control_sync": {"rounds": sum(s.rounds for s in syncs), "seconds": round(sum(s.seconds for s in syncs), 2)},
         "static_shapes": {d: [name for name, _ in shapes[d]] for d in learned},
         "heads": {d: getattr(built[d], "version", "") for d in learned},
         "kernels": _kernel_summary(lm.kernels),
@@ -752,7 +829,7 @@ def static_vs_controller(runs, policy: str) -> list[dict]:
 
 
 def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies,
-              clocks: dict[int, RunClock] | None = None) -> None:
+              clocks: dict[int, RunClock] | None = None, sync: Callable[[], None] | None = None) -> None:
     """Run every configuration of ``specs`` side by side, one engine step each
     in turn (in a fresh order every round, :func:`_round_order`), timing each step.
 
@@ -766,7 +843,8 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
     the driver's. ``clocks``: id(observer) -> its controller's :class:`RunClock`;
     after each round a clock moves by the mean step time of its engines in it.
     The orders are drawn from a generator seeded with ``batch``: one run's
-    lockstep of a batch size repeats another's turn for turn.
+    lockstep of a batch size repeats another's turn for turn. ``sync``, when
+    given, runs after each round once the clocks moved (:class:`ControlSync`).
     """
     from worker.reference.progress import ProgressBar
 
@@ -807,6 +885,8 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
                     m[2] += 1
             for clock, total, engines in moved.values():  # as if its engines had run alone, side by side
                 clock.advance(total / engines)
+            if sync is not None:
+                sync()
             rounds += 1
             bar.update(1)
     finally:

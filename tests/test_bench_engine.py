@@ -195,6 +195,9 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
 
     # Warm-up on held-out prompts outside the evaluation set.
     assert len(result["controller_warmup_prompts"]) == 2 and result["controller_warmup_source"]
+    # every round of every lockstep ended with the controllers in sync (main passes and second passes)
+    warm_steps = sum(runs[("ngram", p, b)]["steps"] for p in ("goodput-warm", "confirm-goodput-warm") for b in (1, 2))
+    assert result["control_sync"]["rounds"] >= warm_steps and result["control_sync"]["seconds"] > 0
     assert not set(result["controller_warmup_prompts"]) & set(result["prompts"])
     assert result["static_shapes"] == {"ngram": ["static-d2", "static-d2w2n3"]}
 
@@ -356,3 +359,53 @@ def test_a_lockstep_steps_every_engine_once_a_round_in_a_fresh_order():
             predecessors.setdefault(after, set()).add(before)
     assert all(len(p) > 1 for p in predecessors.values())
     assert stepped_orders() == rounds
+
+
+def test_control_sync_puts_each_rounds_plans_in_force_before_the_next_round():
+    """With ``ControlSync`` a controller has read every step of the rounds before and its agent
+    has applied every plan it was sent, whenever an engine steps: how fast a plan arrives no longer
+    races the lockstep's turns (bench.engine.ControlSync)."""
+    import torch
+
+    from bench.engine import ControlSync, RunClock, _lockstep
+    from controller.background import BackgroundController
+    from worker.reference.drafters.ngram import NgramDrafter
+    from worker.reference.engine.engine import Engine
+    from worker.reference.models import tiny_llama
+    from worker.reference.server import make_hello
+    from worker.sdk.agent import AgentOptions, SpeculationAgent
+
+    torch.set_num_threads(1)
+    model, vocab = tiny_llama(seed=0)
+    gen = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (6, 9)]
+    reference = Engine(model, max_batch=2).generate(ids, 12)
+    clock = RunClock(start=1000.0)
+    ctl = BackgroundController(engine_controller_config("goodput", ""), clock)
+    drafter = NgramDrafter()
+    agent = SpeculationAgent(make_hello("w-sync", "tiny", model, drafter, 2), ctl.address,
+                             AgentOptions(fallback=Decision.chain(2), flush_interval_s=0.005)).start()
+    seen = []
+
+    class Watched(Engine):
+        def step(self):
+            state = ctl.running.controller.workers.get("w-sync")
+            seen.append((self.stats.steps, state.steps_ingested if state else 0,
+                         bool(state and state.plans.pending), agent.plan_version))
+            return super().step()
+
+    try:
+        sync = ControlSync([(ctl, {"ngram": agent})])
+        specs = [("none", "plain", None, None, None),
+                 ("ngram", "goodput", drafter, agent.decide, agent)]
+        tallies = {}
+        _lockstep(model, lambda *a, **k: Watched(*a, **k) if k.get("observer") is agent else Engine(*a, **k),
+                  specs, (), ids, reference, 2, 12, tallies, {id(agent): clock}, sync)
+    finally:
+        agent.close()
+        ctl.close()
+    assert all(t.lossless for t in tallies.values())
+    assert sync.rounds == len(seen) >= 8
+    assert [ingested for _, ingested, _, _ in seen] == [steps for steps, _, _, _ in seen]  # all read
+    assert not any(pending for _, _, pending, _ in seen)  # every plan sent was applied
+    assert seen[-1][3] >= 1  # and plans did come

@@ -678,6 +678,11 @@ class SpeculationAgent:
     def plan_version(self) -> int:
         return self.stats.plan_version
 
+    def queued_steps(self) -> int:
+        """Steps observed and not yet written to a stream (the next flush takes them)."""
+        with self._lock:
+            return len(self._steps)
+
     def backlog(self) -> int:
         """Steps no controller has confirmed yet: queued, written and awaiting a
         receipt, or carried to the next replica. 0 once everything observed was read."""
