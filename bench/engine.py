@@ -295,7 +295,8 @@ class ControlSync:
     a round and a half later. Here a plan computed on the telemetry of a
     round is in force from the next round on, in every run and for every
     controller alike. (It does not make two runs decide alike: the
-    controllers fit their cost models on measured step times, and in the
+    controllers' cost models rest on measured step times and the start-up
+    calibration, both a few percent apart from run to run, and in the
     break-even cells those decide; docs/benchmarks.md, runs K and L.)
 
     ``controllers``: ``(BackgroundController, agents)`` pairs, agents by name.
