@@ -313,8 +313,8 @@ class ControlSync:
         deadline = time.monotonic() + self.timeout_s
         for ctl, agents in self.controllers:
             sent = {a.hello.worker_id: a for a in agents.values()}
-            while not ctl.call(_read_then_plan(ctl.running, {w: a.stats.steps_sent for w, a in sent.items()},
-                                               [a for a in sent.values() if a.queued_steps()])):
+            while (any(a.queued_steps() for a in sent.values())  # the next flush has them
+                   or not ctl.call(_read_then_plan(ctl.running, {w: a.stats.steps_sent for w, a in sent.items()}))):
                 self._wait(deadline, "the controller to read its agents' steps")
             while not ctl.call(_plans_applied(ctl.running, list(sent))):
                 self._wait(deadline, "the agents to apply the plans pushed")
@@ -327,11 +327,9 @@ class ControlSync:
         time.sleep(self.poll_s)
 
 
-async def _read_then_plan(running, steps_sent: dict[str, int], queued: list) -> bool:
-    """True, with the due plans pushed, once every agent's queue is empty and the
-    controller has ingested every step each sent; False (nothing pushed) before."""
-    if queued:
-        return False
+async def _read_then_plan(running, steps_sent: dict[str, int]) -> bool:
+    """True, with the due plans pushed, once the controller has ingested every step
+    each worker sent; False (nothing pushed) before."""
     workers = running.controller.workers
     for worker_id, n in steps_sent.items():
         state = workers.get(worker_id)
@@ -604,7 +602,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         try:
             for d in learned:
                 hello = make_hello(f"bench-{d}{suffix}", model_name, model, built[d], max(batches), calibration)
-                agents[d] = SpeculationAgent(hello, ctl.address, AgentOptions(fallback=Decision.chain(2), flush_interval_s=0.005)).start()
+                # Telemetry leaves every 5 ms, so ControlSync's wait at the end of a round stays short.
+                options = AgentOptions(fallback=Decision.chain(2), flush_interval_s=0.005)
+                agents[d] = SpeculationAgent(hello, ctl.address, options).start()
                 clocks[id(agents[d])] = clock
         except BaseException:
             stop_controller(ctl, agents)
@@ -870,7 +870,6 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
                     tallies[_hf_key(k)] = _Tally()
         expected_rounds = max(1, len(ids) * max_new_tokens // batch)
         bar = ProgressBar(expected_rounds, f"bench engine, batch {batch} ({len(runners)} configurations in lockstep)")
-        rounds = 0
         while True:
             live = [key for key, r in runners.items() if r.has_work()]
             if not live:
@@ -888,7 +887,6 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
                 clock.advance(total / engines)
             if sync is not None:
                 sync()
-            rounds += 1
             bar.update(1)
     finally:
         for runner in runners.values():
