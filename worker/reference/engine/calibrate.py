@@ -20,6 +20,7 @@ the cost of verifying them.
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,7 +100,8 @@ def calibrate_verify(model, max_batch: int, max_nodes: int, context_len: int = 1
                      seed: int = 0, progress: bool = True) -> list[VerifyTiming]:
     """Time ``Engine.step``'s verify at every shape of :func:`calibration_grid`:
     one engine per batch size (one prefill), a warm-up round and ``repeats``
-    timed rounds over its shapes; the median per shape is kept."""
+    timed rounds over its shapes, each round in a fresh order drawn from
+    ``seed``; the median per shape is kept."""
     from worker.reference.engine.engine import Engine
     from worker.reference.progress import ProgressBar
 
@@ -121,12 +123,17 @@ def calibrate_verify(model, max_batch: int, max_nodes: int, context_len: int = 1
         for _ in range(batch):
             prompt = torch.randint(min(100, vocab // 2), vocab, (context_len,), generator=gen, device="cpu").tolist()
             engine.submit(prompt, steps * (max(shapes) + 1) + 1)
-        # Round-robin over the shapes, one step each per round: a slow minute of a
-        # shared machine then falls on every shape alike, not on a run of neighbours
-        # (which would carve a false step into the curve). Round 0 warms kernels up.
+        # Every round steps every shape once, so a slow minute of a shared machine
+        # falls on every shape alike, not on a run of neighbours (which would carve
+        # a false step into the curve); each round in a fresh seeded order, so no
+        # shape is always timed right after the same one (in a fixed order, batch
+        # 1's one-token step always followed the 23-node one). Round 0 warms up.
+        order = random.Random(seed * 1_000_003 + batch)
         by_shape: dict[int, list[tuple[float, int]]] = {n: [] for n in shapes}
         for round_ in range(repeats + 1):
-            for nodes in shapes:
+            shuffled = list(shapes)
+            order.shuffle(shuffled)
+            for nodes in shuffled:
                 current[0] = Decision(nodes, 1, nodes) if nodes else Decision.off()
                 timer.times.clear()
                 engine.step()
