@@ -686,8 +686,7 @@ class SpeculationAgent:
     def backlog(self) -> int:
         """Steps no controller has confirmed yet: queued, written and awaiting a
         receipt, or carried to the next replica. 0 once everything observed was read."""
-        with self._lock:
-            queued = len(self._steps)
+        queued = self.queued_steps()
         replay = sum(len(m.reports.steps) for m in self._replay if m.WhichOneof("payload") == "reports")
         return queued + len(self._unconfirmed) + len(self._carry) + replay
 
@@ -784,14 +783,12 @@ class SpeculationAgent:
                 placement.lasted(endpoint, up_for)
                 nxt = endpoint
                 if outcome == "superseded":
-                    # A twin holds the id: wait the longest delay, jittered in its upper half only. Full
-                    # jitter drew waits near zero one time in a few dozen, and took the id straight back.
                     backoff = opts.backoff_max_s
-                    delay = random.uniform(backoff / 2, backoff)
-                else:
-                    if up_for > 2.0:
-                        backoff = opts.backoff_initial_s  # the link was healthy: start over
-                    delay = random.uniform(0, backoff)
+                elif up_for > 2.0:
+                    backoff = opts.backoff_initial_s  # the link was healthy: start over
+                # A twin holds the id: wait the longest delay, jittered in its upper half only. Full
+                # jitter drew waits near zero one time in a few dozen, and took the id straight back.
+                delay = random.uniform(backoff / 2 if outcome == "superseded" else 0.0, backoff)
                 backoff = min(backoff * 2, opts.backoff_max_s)
             self._settle(endpoint, nxt, outcome)
             endpoint = nxt
