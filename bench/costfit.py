@@ -294,7 +294,7 @@ def grid_fit(points: np.ndarray, prior: CostParams, repeats: int = GRID_FIT_REPE
 
 def params_dict(p: CostParams) -> dict[str, Any]:
     out = {k: (round(v, 9) if isinstance(v, float) else v) for k, v in vars(p).items()
-           if not k.startswith("_") and k not in ("compute_knots", "compute_rise_ms", "compute_evidence")}
+           if not k.startswith("_") and k not in ("compute_knots", "compute_rise_ms", "compute_evidence", "live_evidence")}
     if p.compute_knots:
         out["compute_curve"] = [[k, round(r, 4)] for k, r in zip(p.compute_knots, p.compute_rise_ms)]
     return out

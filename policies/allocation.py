@@ -289,6 +289,46 @@ def whole_batch_sd_ms(cost, tokens, batch: float):
             + f * np.asarray(cost.verify_sd_ms(tokens * upper / batch)))
 
 
+class UnmeasuredDoubt:
+    """``cost`` with its doubt kept only at batch tokens the worker has run
+    fewer than ``min_steps`` live steps at (``cost.verify_live_steps``): the
+    prices a price probe may take optimistically. Where live steps have run
+    the price is what they measured, and a probe there would only repeat
+    them; a shape known from the start-up calibration or interpolation alone
+    may be off by the calibration's error, which only running it reveals.
+    A cost model that does not count live steps has none unmeasured.
+
+    >>> class Fit:  # sure at 4 tokens (400 live steps), unsure at 8 (none)
+    ...     def verify_sd_ms(self, tokens):
+    ...         return np.where(np.asarray(tokens) > 4, 4.0, 0.2)
+    ...     def verify_live_steps(self, tokens):
+    ...         return np.where(np.asarray(tokens) > 4, 0.0, 400.0)
+    >>> doubt = UnmeasuredDoubt(Fit(), min_steps=16)
+    >>> [float(x) for x in doubt.verify_sd_ms(np.array([4.0, 8.0]))], bool(doubt.any_unmeasured([4.0, 8.0]))
+    ([0.0, 4.0], True)
+    """
+
+    def __init__(self, cost, min_steps: float) -> None:
+        self.cost = cost
+        self.min_steps = min_steps
+
+    def __getattr__(self, name: str):  # verify_ms, draft_ms, catch_up_ms: the model's own
+        return getattr(self.cost, name)
+
+    def unmeasured(self, tokens) -> np.ndarray:
+        live_steps = getattr(self.cost, "verify_live_steps", None)
+        if live_steps is None:
+            return np.zeros(np.shape(tokens), dtype=bool)
+        return np.asarray(live_steps(np.asarray(tokens, dtype=np.float64))) < self.min_steps
+
+    def any_unmeasured(self, tokens) -> bool:
+        return bool(np.any(self.unmeasured(tokens)))
+
+    def verify_sd_ms(self, tokens):
+        tokens = np.asarray(tokens, dtype=np.float64)
+        return np.where(self.unmeasured(tokens), self.cost.verify_sd_ms(tokens), 0.0)
+
+
 def step_goodput(groups: Sequence[BatchGroup], taken: np.ndarray, cost, offer: np.ndarray | None = None,
                  padded: bool = False) -> np.ndarray:
     """:func:`prefix_goodput` when group ``g`` drafts the first ``taken[..., g]`` nodes
@@ -384,6 +424,10 @@ class PrefixTable:
         :func:`prefix_goodput`).
         The prefix with the best expected goodput wins if its cautious goodput
         beats off; else the best cautious one does, if any beats off; else off.
+        A negative ``caution`` (a probe's draw of the prices below the mean, or
+        an optimistic bound) prices every prefix at it, so a cheaper draw can
+        turn drafting on where the mean keeps it off (taken as a caution, it
+        could only ever turn it off).
         The allocation reports the expected goodput."""
         counts = np.asarray(counts, dtype=np.float64)
         if counts.sum() <= 0:
@@ -398,11 +442,18 @@ class PrefixTable:
 
         goodput = prefix_goodput(counts, contexts, gained, self.depths, self.taken, cost, offer_rates, padded,
                                  switch_ms=switch_ms)
+        off = float(goodput[0])  # the first prefix of the first cap: no nodes at all
+        bar = off * (1.0 + min_gain)
+        if caution < 0:
+            drawn = judged()
+            best = int(np.argmax(drawn))
+            if drawn[best] < bar:
+                best = 0
+            nodes = tuple(int(n) if c > 0 else 0 for n, c in zip(self.taken[best], counts))
+            return int(self.cap_of[best]), Allocation(nodes, float(goodput[best]), off)
         # The expected goodput picks the tree; caution only decides whether to
         # speculate at all (a well-measured smaller tree may still beat off).
         best = int(np.argmax(goodput))
-        off = float(goodput[0])  # the first prefix of the first cap: no nodes at all
-        bar = off * (1.0 + min_gain)
         if best and (judged([best])[0] if caution else goodput[best]) < bar:
             cautious = judged() if caution else goodput
             safest = int(np.argmax(cautious))

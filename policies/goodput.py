@@ -62,7 +62,10 @@ above its fitted time, which is nothing where the worker runs all day and
 one RMSE where it has never run; which tree to draft is still chosen by the
 expected goodput, so caution does not pin a worker to the shapes it has
 already measured. Probes draw the shift from the normal distribution
-instead, so untried batch sizes still get measured.
+instead, so untried batch sizes still get measured. Price probes
+(:meth:`GoodputPolicy.price_probe`) go further: while a shape that could
+win at an optimistic price has not been run live, a share of the decisions
+runs it, so a calibration that prices it wrong is corrected by steps.
 
 Request classes (``obs.classes``, issue #29): with several, every row is
 solved on one batch holding each class's share of the requests, in groups
@@ -94,7 +97,7 @@ The building blocks (tree values, the TETRIS ranking, step pricing) are in
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -109,6 +112,7 @@ from policies.allocation import (  # noqa: F401
     BatchGroup,
     NodeList,
     PrefixTable,
+    UnmeasuredDoubt,
     allocate,
     best_first_nodes,
     capped_node_lists,
@@ -145,6 +149,21 @@ class GoodputConfig(BaseModel):
     cost_caution: float = Field(
         1.0, ge=0.0, le=10.0,
         description="standard errors of the fitted verify time added to every batch that drafts (probes draw it)",
+    )
+    price_probe_fraction: float = Field(
+        0.25, ge=0.0, le=1.0,
+        description="share of decisions that run the batch's optimistic decision while it drafts a shape the "
+                    "worker has not measured live (a price probe; 0 turns them off)",
+    )
+    price_optimism: float = Field(
+        2.0, ge=0.0, le=10.0,
+        description="standard errors of the fitted verify time a price probe takes off the price of a shape "
+                    "with fewer than price_probe_steps live steps",
+    )
+    price_probe_steps: float = Field(
+        16.0, ge=0.0, le=10_000.0,
+        description="live steps in a batch-token segment past which its price counts as measured (no more "
+                    "price probes there)",
     )
     catch_up_horizon_steps: float = Field(
         16.0, gt=0.0, le=4096.0,
@@ -738,7 +757,10 @@ class GoodputPolicy(Policy[GoodputConfig]):
             goodputs.append(goodput)
             solved.append((cap, nodes_per_bucket))
         table = DecisionTable.from_rows(rows, obs.batch_edges, obs.context_edges)
-        overrides, reasons = self.explore(obs, table, np.random.default_rng([seed, calls]), switch)
+        rng = np.random.default_rng([seed, calls])
+        overrides, reasons = self.explore(obs, table, rng, switch)
+        if not overrides:  # one experiment at a time: a Thompson probe's steps would not price the shape
+            overrides, reasons = self.price_probe(obs, table, lists_by_cap, prefixes, rng, switch)
         expected, state_tables = goodputs[current], {}
         if self.config.request_states and obs.acceptance_by_state:
             # The tracked request states' best response to this table (policies.state_tables).
@@ -779,6 +801,45 @@ class GoodputPolicy(Policy[GoodputConfig]):
                 overrides[rid] = decision
                 reasons[rid] = "explore"
         return overrides, reasons
+
+    def price_probe(self, obs: Observation, table: DecisionTable, lists_by_cap: Sequence[Sequence[NodeList]],
+                    prefixes: tuple[list[int], list[int], PrefixTable] | None, rng: np.random.Generator,
+                    switch_ms: Sequence[float] | None = None) -> tuple[dict[str, Decision], dict[str, str]]:
+        """The active batch's decision with the prices of its unmeasured shapes
+        lowered by ``price_optimism`` standard errors (:class:`UnmeasuredDoubt`),
+        on ``price_probe_fraction`` of the decisions where it differs from the
+        table's: every active request takes it (reason ``"price-probe"``).
+
+        The mean decisions price a shape the worker has never run from the
+        calibration and the curve, add ``cost_caution`` errors, and so never
+        run it; nothing then measures it. The start-up calibration is timed
+        on a quiet machine at short contexts and misses live steps by 3-10 %
+        at some shapes after scaling: on the reference worker it priced 8
+        tokens at batch 4 at 1.22-1.27 of 4 where live steps cost 1.08-1.16,
+        and n-gram drafting stayed off where a static depth-1 chain beat plain
+        by 3-7 %. A probe runs the optimistic shape until the fit has
+        ``price_probe_steps`` live steps in its segment; then the price is
+        measured, its doubt is the live noise, and the mean decides. The loss
+        is bounded: probes run only while a shape within ``price_optimism``
+        errors of winning is unmeasured."""
+        if not self.config.price_probe_fraction or not self.config.price_optimism or not obs.active_requests:
+            return {}, {}
+        if rng.random() >= self.config.price_probe_fraction:
+            return {}, {}
+        batch = len(obs.active_requests)
+        batch_bucket = bucket_index(obs.batch_edges, batch)
+        doubt = UnmeasuredDoubt(obs.cost, self.config.price_probe_steps)
+        optimistic = replace(obs, cost=doubt)
+        cap, nodes_per_bucket, _ = self.solve_row(optimistic, lists_by_cap, batch_bucket, float(batch), prefixes,
+                                                  caution=-self.config.price_optimism, switch_ms=switch_ms)
+        decisions = {rid: lists_by_cap[cap - 1][c].decision(nodes_per_bucket[c])
+                     for rid, c in ((rid, bucket_index(obs.context_edges, ctx))
+                                    for rid, ctx in obs.active_requests.items())}
+        if not _drafts_unmeasured(decisions.values(), batch, obs.padded_verify, doubt):
+            return {}, {}  # off, or a shape already measured: the mean decisions judge it
+        overrides = {rid: d for rid, d in decisions.items()
+                     if d != table.cell(batch_bucket, bucket_index(obs.context_edges, obs.active_requests[rid]))}
+        return overrides, {rid: "price-probe" for rid in overrides}
 
     # --- request classes ------------------------------------------------------
 
@@ -908,7 +969,11 @@ class GoodputPolicy(Policy[GoodputConfig]):
                 return (s.worst <= 1.0) | (s.worst * margin <= off.worst[0])
             return (s.worst <= 1.0) & (s.weighted >= off.weighted[0] * margin)
 
-        if tried[i][1].taken[p].any():
+        if caution < 0:  # a draw below the mean, or an optimistic bound: every prefix priced at it
+            drawn = [score(t, caution) for _, t, _ in tried]
+            picked = _pick(drawn, [beats_off(s) for s in drawn])
+            i, p = picked if picked is not None else (0, 0)
+        elif tried[i][1].taken[p].any():
             ok = beats_off(score(tried[i][1], caution, [p]))[0] if caution else beats_off(expected[i])[p]
             if not ok:
                 cautious = [score(t, caution) for _, t, _ in tried] if caution else expected
@@ -960,7 +1025,10 @@ class GoodputPolicy(Policy[GoodputConfig]):
                 goodput = alloc.goodput_tok_s
         tables = {rc.name: DecisionTable.from_rows(rows[k], obs.batch_edges, obs.context_edges)
                   for k, rc in enumerate(cb.classes)}
-        overrides, reasons = self.explore_classes(obs, tables, np.random.default_rng([seed, calls]), switch)
+        rng = np.random.default_rng([seed, calls])
+        overrides, reasons = self.explore_classes(obs, tables, rng, switch)
+        if not overrides:
+            overrides, reasons = self.price_probe_classes(obs, cb, tables, rng, switch)
         plan = PlanDraft(tables[obs.classes.default], overrides, goodput, reasons, class_tables=tables)
         return plan, (seed, calls + 1)
 
@@ -1001,6 +1069,40 @@ class GoodputPolicy(Policy[GoodputConfig]):
                 overrides[rid] = decision
                 reasons[rid] = "explore"
         return overrides, reasons
+
+
+    def price_probe_classes(self, obs: Observation, cb: ClassBatch, tables: dict[str, DecisionTable],
+                            rng: np.random.Generator, switch_ms: Sequence[Sequence[float]] | None = None
+                            ) -> tuple[dict[str, Decision], dict[str, str]]:
+        """:meth:`price_probe` with classes: the active batch's optimistic
+        allocation over every class, each request its own class's decision."""
+        if not self.config.price_probe_fraction or not self.config.price_optimism or not obs.active_requests:
+            return {}, {}
+        if rng.random() >= self.config.price_probe_fraction:
+            return {}, {}
+        batch = len(obs.active_requests)
+        batch_bucket = bucket_index(obs.batch_edges, batch)
+        doubt = UnmeasuredDoubt(obs.cost, self.config.price_probe_steps)
+        alloc = self.solve_class_row(replace(obs, cost=doubt), cb, float(batch),
+                                     caution=-self.config.price_optimism, switch_ms=switch_ms)
+        decisions, tabled = {}, {}
+        for rid, context_len in obs.active_requests.items():
+            k = obs.classes.index(obs.active_classes.get(rid, ""))
+            c = bucket_index(obs.context_edges, context_len)
+            decisions[rid] = cb.lists[k][alloc.cap - 1][c].decision(alloc.nodes[k][c])
+            tabled[rid] = tables[cb.classes[k].name].cell(batch_bucket, c)
+        if not _drafts_unmeasured(decisions.values(), batch, obs.padded_verify, doubt):
+            return {}, {}
+        overrides = {rid: d for rid, d in decisions.items() if d != tabled[rid]}
+        return overrides, {rid: "price-probe" for rid in overrides}
+
+
+def _drafts_unmeasured(decisions, batch: int, padded: bool, doubt: UnmeasuredDoubt) -> bool:
+    """Whether a batch of ``batch`` requests taking ``decisions`` drafts, in a
+    forward whose batch tokens the worker has not measured live."""
+    blocks = [d.max_nodes if d.depth else 0 for d in decisions]
+    tokens = batch * (1 + max(blocks, default=0)) if padded else batch + sum(blocks)
+    return tokens > batch and doubt.any_unmeasured(float(tokens))
 
 
 def _register() -> None:

@@ -90,13 +90,14 @@ def test_a_padded_workers_probe_is_the_whole_batch():
     untried 16-token forward, one RMSE of caution): one request drafting while
     seven do not makes all eight pay its block, so a probe decides every
     active request or none. Over many policy runs about ``probe_fraction`` of
-    them probe. A packed worker keeps its fixed slice of request ids."""
+    them probe. A packed worker keeps its fixed slice of request ids. (Price
+    probes, which would try the unmeasured 16 tokens too, are off here.)"""
     cost = CostParams(mem_ms=0.0, compute_ms=75.0, compute_ms_per_token=3.125, compute_knots=(1.0, 8.0, 16.0, 24.0),
                       compute_rise_ms=(0.0, 0.0, 25.0, 50.0), draft_ms_per_level=0.0,
                       compute_evidence=(500.0, 500.0, 0.0, 0.0), verify_rmse_ms=12.0)
     q = np.array([[0.42]])
     active = {f"req-{i}": CONTEXT for i in range(8)}
-    policy = GoodputPolicy(GoodputConfig(probe_fraction=0.3, cost_caution=1.0))
+    policy = GoodputPolicy(GoodputConfig(probe_fraction=0.3, cost_caution=1.0, price_probe_fraction=0.0))
     padded = [policy.decide((seed, 0), padded_observation(cost, q, 8.0, active=active))[0] for seed in range(60)]
     assert all(p.table.lookup(8, CONTEXT) == Decision.off() for p in padded)
     probed = [p.overrides for p in padded if p.overrides]

@@ -119,7 +119,8 @@ def fleet_prior(params: CostParams) -> CostParams:
     >>> fleet_prior(CostParams(mem_ms=9.0, compute_evidence=(400.0, 12.0))).compute_evidence
     (0.0, 0.0)
     """
-    return replace(params, compute_evidence=tuple(0.0 for _ in params.compute_evidence))
+    return replace(params, compute_evidence=tuple(0.0 for _ in params.compute_evidence),
+                   live_evidence=tuple(0.0 for _ in params.live_evidence))
 
 
 class FleetReplica:

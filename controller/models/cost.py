@@ -120,6 +120,12 @@ class CostParams:
     # Empty: the parameters are exact (a prior, or a simulator's truth).
     compute_evidence: tuple[float, ...] = ()
     verify_rmse_ms: float = 0.0
+    # Of that evidence, what live steps brought (the rest is the start-up
+    # calibration's samples), and how far the calibration, scaled to the live
+    # level, misses live steps (relative, its systematic error): repeating a
+    # calibration shrinks its noise, never that. Empty / 0: no calibration.
+    live_evidence: tuple[float, ...] = ()
+    calibration_error: float = 0.0
     draft_fixed_ms: float = 0.0
     draft_ms_per_level: float = 0.5
     draft_ms_per_node: float = 0.0
@@ -212,14 +218,53 @@ class CostParams:
         RMSE over the root of one plus the observations in that segment of the
         curve. A batch size the worker has never run is priced by interpolation
         and carries a whole RMSE; one it runs all day, almost none. 0 when the
-        parameters carry no evidence (exact costs)."""
+        parameters carry no evidence (exact costs).
+
+        Calibration samples are not live steps: averaging more repeats of one
+        shrinks its noise but not its ``calibration_error`` (the quiet
+        machine, the short context it was timed at). A segment's live steps
+        and what prices it without them (the calibration and the curve) are
+        two estimates, the latter's variance ``RMSE² / (1 + samples) +
+        (calibration_error · price)²``; the standard error is that of their
+        precision-weighted mean, so a segment known from the calibration alone
+        stays about ``calibration_error`` unsure until traffic runs it.
+
+        >>> p = CostParams(mem_ms=50.0, compute_knots=(1.0, 8.0, 16.0), compute_rise_ms=(0.0, 10.0, 30.0),
+        ...                compute_evidence=(400.0, 25.0, 0.0), live_evidence=(400.0, 0.0, 0.0),
+        ...                verify_rmse_ms=5.0, calibration_error=0.05)
+        >>> [round(float(x), 2) for x in p.verify_sd_ms(np.array([4.0, 12.0, 20.0]))]
+        [0.25, 2.69, 5.59]
+        >>> round(float(replace(p, calibration_error=0.0).verify_sd_ms(12.0)), 2)  # repeats as good as steps
+        0.98
+        """
         n = np.asarray(batch_tokens, dtype=float)
         if not self.compute_evidence or self.verify_rmse_ms <= 0:
             out = np.zeros(n.shape)
         else:
             knots = np.asarray(self.compute_knots, dtype=float)
             seg = np.clip(np.searchsorted(knots, n, side="right") - 1, 0, len(knots) - 1)
-            out = self.verify_rmse_ms / np.sqrt(1.0 + np.asarray(self.compute_evidence)[seg])
+            total = np.asarray(self.compute_evidence)[seg]
+            live = np.asarray(self.live_evidence)[seg] if self.live_evidence else total
+            calibrated = np.maximum(total - live, 0.0)
+            rmse2 = self.verify_rmse_ms ** 2
+            level = np.maximum(self.mem_ms, self.compute_ms + self.compute_curve_ms(n))
+            # Without live steps a segment is priced from the calibration and the curve through its
+            # neighbours (the one RMSE a price no data supports carries): both miss by the calibration's
+            # error however often it was repeated.
+            unmeasured_var = rmse2 / (1.0 + calibrated) + (self.calibration_error * level) ** 2
+            out = 1.0 / np.sqrt(live / rmse2 + 1.0 / unmeasured_var)
+        return float(out) if out.ndim == 0 else out
+
+    def verify_live_steps(self, batch_tokens):
+        """Live steps (decayed) the fit has seen in the segment of ``batch_tokens``;
+        ``inf`` for exact parameters (a prior or a simulator's truth: nothing to measure)."""
+        n = np.asarray(batch_tokens, dtype=float)
+        if not self.compute_evidence:
+            out = np.full(n.shape, np.inf)
+        else:
+            knots = np.asarray(self.compute_knots, dtype=float)
+            seg = np.clip(np.searchsorted(knots, n, side="right") - 1, 0, len(knots) - 1)
+            out = np.asarray(self.live_evidence or self.compute_evidence, dtype=float)[seg]
         return float(out) if out.ndim == 0 else out
 
     def draft_ms(self, max_depth, total_nodes, batch_size=None, level_kv_tokens=0.0):
@@ -260,6 +305,12 @@ HIDDEN_SPREAD = 0.5
 NOISE_FLOOR = 0.01
 PSEUDO_NOISE = 10.0
 MODEL_ERROR = 0.01
+# A start-up calibration's systematic error relative to live steps before live
+# cells inside its range measure it (relative; the reference worker's
+# calibrations missed live steps by 3-10 % at a shape after scaling), and the
+# number of cells that estimate weighs as.
+CALIBRATION_ERROR_PRIOR = 0.05
+CALIBRATION_PRIOR_CELLS = 4.0
 # The compute plane's columns: intercept, pairs, KV tokens, then the curve's segment rises.
 _CURVE_COLUMN = 3
 # Every scalar term a fit may set; none is ever negative.
@@ -729,6 +780,7 @@ class StepCostModel:
         self._calibration_cells = np.zeros(0, dtype=np.int64)
         self._calibration_fit: CostParams | None = None
         self.calibration_scale = 1.0
+        self.calibration_error = CALIBRATION_ERROR_PRIOR  # until live cells inside its range say
         self.samples = 0
         self._judged_off = np.zeros(0, dtype=np.int64)  # cells the robust rule moved at the last refit
         self.params = prior
@@ -785,7 +837,36 @@ class StepCostModel:
                 w = np.minimum(w[inside], 64.0)  # one busy cell is not the whole comparison
                 self.calibration_scale = float(np.clip(np.sum(w * t[inside] * pred) / np.sum(w * pred * pred),
                                                        0.25, 4.0))
+                # What the scale leaves: the calibration's shape error, past what each cell's own noise
+                # (its spread over its steps) explains. An error of shape is one per cell, not per step: a
+                # cell counts as one comparison once it holds 64 steps, and the scale used one of them up
+                # (one cell always matches), so few cells leave it near the prior.
+                miss = t[inside] / (self.calibration_scale * pred) - 1.0
+                steps = self._w[live][inside]
+                spread2 = np.maximum(self._t2[live][inside] / steps - t[inside] ** 2, 0.0)
+                noise2 = spread2 / np.maximum(t[inside], 1e-12) ** 2 / steps
+                cells = w / 64.0
+                excess = float(np.sum(cells * np.maximum(miss ** 2 - noise2, 0.0)))
+                self.calibration_error = math.sqrt(
+                    (CALIBRATION_PRIOR_CELLS * CALIBRATION_ERROR_PRIOR ** 2 + excess)
+                    / (CALIBRATION_PRIOR_CELLS + max(float(cells.sum()) - 1.0, 0.0)))
         cal[:, 3] *= self.calibration_scale
+        # Where live steps share its segment of the curve, a sample weighs what it is worth next to them:
+        # its repeats average its noise away, not its systematic error. A live step scatters by the cells'
+        # pooled noise σ²; a sample of w repeats is off by σ²/w + (error · ms)², so it is worth
+        # 1 / (1/w + (error · ms)² / σ²) live steps, and a few live steps at its batch tokens outweigh it,
+        # as they must (it is what they correct). Where no live step reaches it keeps its repeats: there it
+        # is what shapes the curve against the smoothness pull. (The live noise, not the fit's RMSE: a
+        # refit must not move the next one's weights.)
+        cells = np.flatnonzero(self._w >= 2.0)
+        if cells.size:
+            w = self._w[cells]
+            noise2 = float(np.sum(np.maximum(self._t2[cells] - self._t[cells] ** 2 / w, 0.0)) / w.sum())
+            live_segment = self._w.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1) > 0
+            shared = live_segment[self._calibration_cells // KV_BITS]
+            if noise2 > 0 and shared.any():
+                bias2 = (self.calibration_error * cal[shared, 3]) ** 2
+                cal[shared, 4] = cal[shared, 4] / (1.0 + cal[shared, 4] * bias2 / noise2)
         return cal
 
     def observe_verify(self, batch_tokens: int, kv_tokens: int, verify_ms: float, attn_pairs: float = 0.0) -> None:
@@ -881,10 +962,13 @@ class StepCostModel:
             if params.compute_knots:
                 evidence = np.zeros_like(self._w)
                 evidence[used] = np.where(live, weights, 0.0)
+                live_segment = evidence.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1)
                 np.add.at(evidence, self._calibration_cells, np.where(kept[used.size:], self._calibration[:, 4], 0.0))
                 per_segment = evidence.reshape(len(COMPUTE_KNOTS), KV_BITS).sum(axis=1)
                 params = replace(params, compute_evidence=tuple(float(e) for e in per_segment),
-                                 verify_rmse_ms=self.rmse_ms)
+                                 live_evidence=tuple(float(e) for e in live_segment),
+                                 verify_rmse_ms=self.rmse_ms,
+                                 calibration_error=self.calibration_error if len(cal) else 0.0)
         params = self._fit_draft(params)
         if self._catch_up_tokens > 0:
             params = replace(params, catch_up_ms_per_token=self._catch_up_ms / self._catch_up_tokens)
