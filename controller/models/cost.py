@@ -47,7 +47,13 @@ has measured thousands of times.
 
 A worker may also send a start-up calibration (verify times at a grid of
 batch shapes, ``StepCostModel.calibrate``): it shapes the curve where no
-traffic has been yet, at the level live traffic sets.
+traffic has been yet, at the level live traffic sets. It is not live
+evidence: one factor brings it to the live level, but what that factor
+leaves (``calibration_error``, measured on the live cells inside its range)
+no number of repeats removes. So a shape only the calibration prices stays
+about that unsure in ``verify_sd_ms`` (the goodput policy's price probes
+run such shapes), and where live steps share a sample's segment of the
+curve the sample weighs what it is worth next to them.
 
 Memory is bounded: verify observations land in a fixed grid of cells over
 (batch-token segment, log2 kv_tokens), each keeping decayed weighted sums;
