@@ -802,6 +802,12 @@ class GoodputPolicy(Policy[GoodputConfig]):
                 reasons[rid] = "explore"
         return overrides, reasons
 
+    def price_probe_due(self, obs: Observation, rng: np.random.Generator) -> bool:
+        """Whether this decision may price-probe: probes on, a batch to probe, and the draw."""
+        cfg = self.config
+        return (bool(cfg.price_probe_fraction and cfg.price_optimism and obs.active_requests)
+                and rng.random() < cfg.price_probe_fraction)
+
     def price_probe(self, obs: Observation, table: DecisionTable, lists_by_cap: Sequence[Sequence[NodeList]],
                     prefixes: tuple[list[int], list[int], PrefixTable] | None, rng: np.random.Generator,
                     switch_ms: Sequence[float] | None = None) -> tuple[dict[str, Decision], dict[str, str]]:
@@ -822,9 +828,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
         measured, its doubt is the live noise, and the mean decides. The loss
         is bounded: probes run only while a shape within ``price_optimism``
         errors of winning is unmeasured."""
-        if not self.config.price_probe_fraction or not self.config.price_optimism or not obs.active_requests:
-            return {}, {}
-        if rng.random() >= self.config.price_probe_fraction:
+        if not self.price_probe_due(obs, rng):
             return {}, {}
         batch = len(obs.active_requests)
         batch_bucket = bucket_index(obs.batch_edges, batch)
@@ -1076,9 +1080,7 @@ class GoodputPolicy(Policy[GoodputConfig]):
                             ) -> tuple[dict[str, Decision], dict[str, str]]:
         """:meth:`price_probe` with classes: the active batch's optimistic
         allocation over every class, each request its own class's decision."""
-        if not self.config.price_probe_fraction or not self.config.price_optimism or not obs.active_requests:
-            return {}, {}
-        if rng.random() >= self.config.price_probe_fraction:
+        if not self.price_probe_due(obs, rng):
             return {}, {}
         batch = len(obs.active_requests)
         batch_bucket = bucket_index(obs.batch_edges, batch)

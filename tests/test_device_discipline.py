@@ -172,6 +172,6 @@ def test_step_timers_name_every_device(tiny):
     table, hits = _trapped(lambda: measure_step_table(model, grid, "tiny", log=lambda line: None))
     assert hits == []
     assert len(table["verify"]) == 8 and len(table["draft"]) == 8
-    timings, hits = _trapped(lambda: calibrate_verify(model, 2, 3, contexts=(16,), repeats=1, progress=False))
+    timings, hits = _trapped(lambda: calibrate_verify(model, 2, 3, context_len=16, repeats=1, progress=False))
     assert hits == []
     assert {t.batch_size for t in timings} == {1, 2}

@@ -293,15 +293,9 @@ class CostParams:
         return float(out) if out.ndim == 0 else out
 
 
-# Internal scaling keeps the least-squares problems well conditioned. The prior's
-# ridge acts in these units, so a unit must not make a real slope look huge: at
-# 1e7 pairs a unit, the reference worker's attention (~4e-3 ms per query-key pair
-# at 30-400-token contexts: 4e4 units) was held at zero even by a calibration
-# timed at two contexts, and its curve carried attention's cost at the
-# calibration's context to every other. At 1e5 a GPU's 10^8 pairs a step are
-# 10^3 units, still well conditioned.
+# Internal scaling keeps the least-squares problems well conditioned.
 _KV_SCALE = 1e6
-_P_SCALE = 1e5
+_P_SCALE = 1e7
 # Weight (in observations) of the pull between neighbouring segment slopes.
 SMOOTHNESS = 1.0
 # The robust rule (module docstring, ``robust_targets``). A cell more than ROBUST_Z standard errors from what the rest

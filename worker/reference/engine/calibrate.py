@@ -13,7 +13,7 @@ model starts from them.
 
 What is timed is the engine's real verify (``Engine.step``'s forward, LM
 head, acceptance and KV compaction — what ``StepTelemetry.verify_ms``
-reports) over prompts of each length of ``CALIBRATION_CONTEXTS``, with a drafter that
+reports) over prompts of ``context_len`` tokens, with a drafter that
 proposes chains of fixed length: which tokens it proposes does not change
 the cost of verifying them.
 """
@@ -30,7 +30,7 @@ import torch
 from policies.table import Decision
 from worker.reference.drafters.base import DraftContext, DrafterLimits, DraftTree
 
-__all__ = ["CALIBRATION_CONTEXTS", "VerifyTiming", "calibrate_verify", "calibration_grid"]
+__all__ = ["VerifyTiming", "calibrate_verify", "calibration_grid"]
 
 
 @dataclass(frozen=True)
@@ -95,70 +95,54 @@ def calibration_grid(max_batch: int, max_nodes: int) -> list[tuple[int, int]]:
     return grid
 
 
-# Prompt lengths the grid is timed at. One context cannot tell the batch
-# tokens' cost from attention's (query-key pairs grow with both): a grid timed
-# at 128-token prompts priced 8 tokens at batch 4 at 1.22x of 4 where steps at
-# 75-token contexts cost 1.14x. Two that span the short prompts of a chat
-# worker let the controller's fit price the contexts between.
-CALIBRATION_CONTEXTS = (32, 256)
-
-
 @torch.inference_mode()
-def calibrate_verify(model, max_batch: int, max_nodes: int, contexts: Sequence[int] = CALIBRATION_CONTEXTS,
-                     repeats: int = 5, seed: int = 0, progress: bool = True) -> list[VerifyTiming]:
-    """Time ``Engine.step``'s verify at every shape of :func:`calibration_grid`
-    at every prompt length of ``contexts``: one engine per batch size and
-    context (one prefill each), a warm-up round and ``repeats`` timed rounds
-    over all of a batch size's shapes and contexts, each round in a fresh
-    order drawn from ``seed``; the median per shape is kept. Ordered by
-    context, then as the grid."""
+def calibrate_verify(model, max_batch: int, max_nodes: int, context_len: int = 128, repeats: int = 5,
+                     seed: int = 0, progress: bool = True) -> list[VerifyTiming]:
+    """Time ``Engine.step``'s verify at every shape of :func:`calibration_grid`:
+    one engine per batch size (one prefill), a warm-up round and ``repeats``
+    timed rounds over its shapes, each round in a fresh order drawn from
+    ``seed``; the median per shape is kept."""
     from worker.reference.engine.engine import Engine
     from worker.reference.progress import ProgressBar
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if not contexts or min(contexts) < 1:
-        raise ValueError(f"contexts must be prompt lengths >= 1, got {tuple(contexts)}")
     grid = calibration_grid(max_batch, max_nodes)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    timed: dict[tuple[int, int, int], list[tuple[float, int]]] = {}
-    bar = ProgressBar(len(grid) * len(contexts), "calibrating verify", enabled=progress)
+    out: list[VerifyTiming] = []
+    bar = ProgressBar(len(grid), "calibrating verify", enabled=progress)
     for batch in sorted({b for b, _ in grid}):
         shapes = [n for b, n in grid if b == batch]
         current = [Decision.off()]
         timer = _VerifyTimes()
+        engine = Engine(model, _ChainDrafter(max(shapes)), lambda rid, ctx, b: current[0], observer=timer,
+                        max_batch=batch, eos_token_id=-1)
         steps = len(shapes) * (repeats + 1)
-        engines = {}
-        for context_len in contexts:
-            engine = Engine(model, _ChainDrafter(max(shapes)), lambda rid, ctx, b: current[0], observer=timer,
-                            max_batch=batch, eos_token_id=-1)
-            # Low ids are the tokenizer's specials; any other ids give the same cost.
-            for _ in range(batch):
-                prompt = torch.randint(min(100, vocab // 2), vocab, (context_len,), generator=gen, device="cpu").tolist()
-                engine.submit(prompt, steps * (max(shapes) + 1) + 1)
-            engines[context_len] = engine
+        # Low ids are the tokenizer's specials; any other ids give the same cost.
+        for _ in range(batch):
+            prompt = torch.randint(min(100, vocab // 2), vocab, (context_len,), generator=gen, device="cpu").tolist()
+            engine.submit(prompt, steps * (max(shapes) + 1) + 1)
         # Every round steps every shape once, so a slow minute of a shared machine
         # falls on every shape alike, not on a run of neighbours (which would carve
         # a false step into the curve); each round in a fresh seeded order, so no
         # shape is always timed right after the same one (in a fixed order, batch
         # 1's one-token step always followed the 23-node one). Round 0 warms up.
         order = random.Random(seed * 1_000_003 + batch)
+        by_shape: dict[int, list[tuple[float, int]]] = {n: [] for n in shapes}
         for round_ in range(repeats + 1):
-            shuffled = [(c, n) for c in contexts for n in shapes]
+            shuffled = list(shapes)
             order.shuffle(shuffled)
-            for context_len, nodes in shuffled:
+            for nodes in shuffled:
                 current[0] = Decision(nodes, 1, nodes) if nodes else Decision.off()
                 timer.times.clear()
-                engines[context_len].step()
+                engine.step()
                 if round_:
-                    timed.setdefault((context_len, batch, nodes), []).extend(timer.times)
-        bar.update(len(shapes) * len(contexts))
+                    by_shape[nodes] += timer.times
+        for nodes in shapes:
+            timed = by_shape[nodes]
+            out.append(VerifyTiming(batch, batch * (1 + nodes), int(statistics.median(kv for _, kv in timed)),
+                                    float(statistics.median(ms for ms, _ in timed)), len(timed)))
+            bar.update(1)
     bar.close()
-    out: list[VerifyTiming] = []
-    for context_len in contexts:
-        for batch, nodes in grid:
-            times = timed[(context_len, batch, nodes)]
-            out.append(VerifyTiming(batch, batch * (1 + nodes), int(statistics.median(kv for _, kv in times)),
-                                    float(statistics.median(ms for ms, _ in times)), len(times)))
     return out
