@@ -1074,7 +1074,6 @@ class GoodputPolicy(Policy[GoodputConfig]):
                 reasons[rid] = "explore"
         return overrides, reasons
 
-
     def price_probe_classes(self, obs: Observation, cb: ClassBatch, tables: dict[str, DecisionTable],
                             rng: np.random.Generator, switch_ms: Sequence[Sequence[float]] | None = None
                             ) -> tuple[dict[str, Decision], dict[str, str]]:
