@@ -447,17 +447,15 @@ class PrefixTable:
         if caution < 0:
             drawn = judged()
             best = int(np.argmax(drawn))
-            if drawn[best] < bar:
-                best = 0
-            nodes = tuple(int(n) if c > 0 else 0 for n, c in zip(self.taken[best], counts))
-            return int(self.cap_of[best]), Allocation(nodes, float(goodput[best]), off)
-        # The expected goodput picks the tree; caution only decides whether to
-        # speculate at all (a well-measured smaller tree may still beat off).
-        best = int(np.argmax(goodput))
-        if best and (judged([best])[0] if caution else goodput[best]) < bar:
-            cautious = judged() if caution else goodput
-            safest = int(np.argmax(cautious))
-            best = safest if cautious[safest] >= bar else 0
+            best = best if drawn[best] >= bar else 0
+        else:
+            # The expected goodput picks the tree; caution only decides whether to
+            # speculate at all (a well-measured smaller tree may still beat off).
+            best = int(np.argmax(goodput))
+            if best and (judged([best])[0] if caution else goodput[best]) < bar:
+                cautious = judged() if caution else goodput
+                safest = int(np.argmax(cautious))
+                best = safest if cautious[safest] >= bar else 0
         nodes = tuple(int(n) if c > 0 else 0 for n, c in zip(self.taken[best], counts))
         return int(self.cap_of[best]), Allocation(nodes, float(goodput[best]), off)
 

@@ -247,8 +247,7 @@ class CostParams:
         if not self.compute_evidence or self.verify_rmse_ms <= 0:
             out = np.zeros(n.shape)
         else:
-            knots = np.asarray(self.compute_knots, dtype=float)
-            seg = np.clip(np.searchsorted(knots, n, side="right") - 1, 0, len(knots) - 1)
+            seg = self._segment(n)
             total = np.asarray(self.compute_evidence)[seg]
             live = np.asarray(self.live_evidence)[seg] if self.live_evidence else total
             calibrated = np.maximum(total - live, 0.0)
@@ -261,6 +260,11 @@ class CostParams:
             out = 1.0 / np.sqrt(live / rmse2 + 1.0 / unmeasured_var)
         return float(out) if out.ndim == 0 else out
 
+    def _segment(self, batch_tokens: np.ndarray) -> np.ndarray:
+        """Index of the curve segment (between knots; the last one open) holding each batch-token count."""
+        knots = np.asarray(self.compute_knots, dtype=float)
+        return np.clip(np.searchsorted(knots, batch_tokens, side="right") - 1, 0, len(knots) - 1)
+
     def verify_live_steps(self, batch_tokens):
         """Live steps (decayed) the fit has seen in the segment of ``batch_tokens``;
         ``inf`` for exact parameters (a prior or a simulator's truth: nothing to measure)."""
@@ -268,9 +272,7 @@ class CostParams:
         if not self.compute_evidence:
             out = np.full(n.shape, np.inf)
         else:
-            knots = np.asarray(self.compute_knots, dtype=float)
-            seg = np.clip(np.searchsorted(knots, n, side="right") - 1, 0, len(knots) - 1)
-            out = np.asarray(self.live_evidence or self.compute_evidence, dtype=float)[seg]
+            out = np.asarray(self.live_evidence or self.compute_evidence, dtype=float)[self._segment(n)]
         return float(out) if out.ndim == 0 else out
 
     def draft_ms(self, max_depth, total_nodes, batch_size=None, level_kv_tokens=0.0):
