@@ -127,10 +127,12 @@ import random
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from policies.table import Decision
@@ -167,6 +169,14 @@ class EngineRun:
     # engine's time per step (proposing them; inside the timed step, outside draft_ms and verify_ms).
     shadow_drafts: int = 0
     shadow_ms_per_step: float = 0.0
+    # A controlled run: its row-steps decided by a per-request override, by the
+    # controller's reason ("explore", "price-probe", ...), and of those the ones that
+    # asked for a draft (n-gram may find none); the rest came from the plan's table
+    # (the agent's override counters).
+    override_row_steps: dict = field(default_factory=dict)
+    override_draft_asks: dict = field(default_factory=dict)
+    spec_row_steps: int = 0  # row-steps that drafted (spec_fraction's numerator)
+    controlled: bool = False  # decided by a controller's agent
 
 
 @dataclass
@@ -188,6 +198,18 @@ class _Tally:
     shadow_s: float = 0.0
     lossless: bool = True
     note: str = ""
+    overrides: Counter = field(default_factory=Counter)
+    override_draft_asks: Counter = field(default_factory=Counter)
+    controlled: bool = False
+    # Step by step (its i-th step ran in the lockstep's round i): wall and CPU
+    # seconds and tokens emitted, for the intervals (bench.intervals).
+    step_secs: list = field(default_factory=list)
+    step_cpu: list = field(default_factory=list)
+    step_tokens: list = field(default_factory=list)
+
+    def series(self, basis: str) -> tuple[list, list]:
+        """Per round: the step's seconds on the benchmark's basis and its tokens."""
+        return (self.step_cpu if basis == "cpu" else self.step_secs), self.step_tokens
 
     def add_stats(self, stats, lossless: bool) -> None:
         """Engine totals (time is added step by step by the caller)."""
@@ -226,7 +248,9 @@ class _Tally:
                          catch_up_ms_per_step=round(1e3 * self.catch_up_s / steps, 3), steps=self.steps, note=self.note,
                          spec_fraction=round(self.spec_row_steps / max(self.row_steps, 1), 3),
                          nodes_per_spec_row_step=round(self.draft_nodes / max(self.spec_row_steps, 1), 2),
-                         shadow_drafts=self.shadow_drafts, shadow_ms_per_step=round(1e3 * self.shadow_s / steps, 4))
+                         shadow_drafts=self.shadow_drafts, shadow_ms_per_step=round(1e3 * self.shadow_s / steps, 4),
+                         override_row_steps=dict(self.overrides), override_draft_asks=dict(self.override_draft_asks),
+                         spec_row_steps=self.spec_row_steps, controlled=self.controlled)
 
 
 class RunClock:
@@ -655,6 +679,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     syncs: list[ControlSync] = []  # one per lockstep with controllers
     fitted: dict = {}
     warmup_acceptance: dict[tuple[str, int], PositionAcceptance] = {}
+    warmup_overrides: list[dict] = []  # the warm controller's overrides during each warm-up, by reason
     eval_shape = {d: eval_acceptance_shape(shapes[d]) for d in learned}
     eval_acceptance: dict[tuple[str, int], tuple[str, PositionAcceptance]] = {}
     warm_ctl, warm_agents = (start_controller("engine-telemetry.jsonl.gz", "")
@@ -665,9 +690,15 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
             # Its acceptance there is counted on the way (``acceptance_warmup_vs_eval``).
             for d, agent in warm_agents.items():
                 counts = warmup_acceptance[(d, batch)] = PositionAcceptance()
+                start = _override_counts(agent)
                 with clocks[id(agent)].live():
-                    Engine(model, built[d], agent.decide, observer=_Tee(agent, counts),
-                           max_batch=batch).generate(warm_ids, max_new_tokens)
+                    engine = Engine(model, built[d], agent.decide, observer=_Tee(agent, counts), max_batch=batch)
+                    engine.generate(warm_ids, max_new_tokens)
+                end = _override_counts(agent)
+                warmup_overrides.append({"drafter": d, "batch": batch, "row_steps": engine.stats.row_steps,
+                                         "spec_row_steps": engine.stats.spec_row_steps,
+                                         "override_row_steps": dict(end[0] - start[0]),
+                                         "override_draft_asks": dict(end[1] - start[1])})
             # The cold one: a controller of its own for this batch size, no traffic before the timed run.
             cold_ctl, cold_agents = (start_controller(f"engine-telemetry-cold-b{batch}.jsonl.gz", f"-cold-b{batch}")
                                      if controlled else (None, {}))
@@ -730,7 +761,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         hf_plain = tallies.get(("hf-generate", "plain", r.batch))
         if r.drafter.startswith("hf-") and hf_plain is not None:
             r.speedup_vs_hf_plain = round(_rate(tallies[(r.drafter, r.policy, r.batch)], basis) / _rate(hf_plain, basis), 3)
-    summary = static_vs_controller(runs, policy)
+    summary = static_vs_controller(runs, policy, {key: t.series(basis) for key, t in tallies.items()})
     acceptance = acceptance_warmup_vs_eval(
         warmup_acceptance, eval_acceptance,
         f"{policy}-warm warm-up ({len(warm_ids)} prompts, untimed, the controller's shapes)" if warm_agents else "")
@@ -757,6 +788,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "calibration": [asdict(t) for t in calibration],
         "static_vs_controller": summary,
         "acceptance_warmup_vs_eval": acceptance,
+        "warmup_overrides": warmup_overrides,
         "runs": [asdict(r) for r in runs],
     }
     (out / "engine.json").write_text(json.dumps(result, indent=1))
@@ -765,6 +797,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     _print_table(runs)
     _print_summary(summary)
     _print_acceptance(acceptance)
+    _print_overrides(runs, warmup_overrides)
     print(f"wrote {out / 'engine.json'}" + (f" and {out / 'engine.png'}" if plot else ""))
     return 0
 
@@ -785,12 +818,17 @@ def best_static_name(tallies, drafter: str, batch: int, basis: str = "cpu") -> s
     return max(static, key=lambda kv: _rate(kv[1], basis))[0] if static else ""
 
 
-def static_vs_controller(runs, policy: str) -> list[dict]:
+def static_vs_controller(runs, policy: str, series: dict | None = None) -> list[dict]:
     """Per learned drafter and batch size: the best static configuration in
     hindsight (over chains and trees; speedups against plain, CPU time), the
     best chain and tree, the cold and warm controller and their ratios to
     it, and the warm (else cold) controller's share of the best oracle speedup of the
-    batch (reported, not a goal)."""
+    batch (reported, not a goal).
+
+    ``series``: (drafter, policy, batch) -> per round, the step's seconds and
+    tokens (``_Tally.series``); given, each ratio to max(best static, plain)
+    gets its 90 % interval over the lockstep's rounds (:mod:`bench.intervals`;
+    ``*_interval``), the best static shape picked again in every replicate."""
     out = []
     keys = sorted({(r.drafter, r.batch) for r in runs if r.drafter in ("ngram", "medusa", "eagle")},
                   key=lambda k: (k[1], ("ngram", "medusa", "eagle").index(k[0])))
@@ -815,6 +853,9 @@ def static_vs_controller(runs, policy: str) -> list[dict]:
             row[f"{tag}_vs_best_static"] = round(c.speedup_vs_plain / best.speedup_vs_plain, 3) if c else None
             row[f"{tag}_vs_best_static_or_plain"] = (round(c.speedup_vs_plain / max(best.speedup_vs_plain, 1.0), 3)
                                                      if c else None)
+            if c and series:
+                row[f"{tag}_vs_best_static_or_plain_interval"] = _ratio_interval(
+                    series, drafter, batch, c.policy, [r.policy for r in static])
         again = {r.policy.removeprefix(CONFIRM): r.speedup_vs_plain for r in rs if r.policy.startswith(CONFIRM)}
         if best.policy in again:
             shape = again[best.policy]
@@ -822,11 +863,38 @@ def static_vs_controller(runs, policy: str) -> list[dict]:
                 key: value for tag in ("cold", "warm") if f"{policy}-{tag}" in again for key, value in (
                     (tag, again[f"{policy}-{tag}"]),
                     (f"{tag}_vs_best_static_or_plain", round(again[f"{policy}-{tag}"] / max(shape, 1.0), 3)))}}
+            if series:
+                for tag in ("cold", "warm"):
+                    if f"{policy}-{tag}" in again:
+                        row["second_pass"][f"{tag}_vs_best_static_or_plain_interval"] = _ratio_interval(
+                            series, drafter, batch, f"{CONFIRM}{policy}-{tag}", [CONFIRM + best.policy], CONFIRM)
         ctl = row["warm"] if row["warm"] is not None else row["cold"]
         row["share_of_oracle"] = round(ctl / max(oracle), 3) if oracle and ctl is not None else None
         row["lossless"] = all(r.lossless for r in rs)
         out.append(row)
     return out
+
+
+def _ratio_interval(series: dict, drafter: str, batch: int, controller: str, static: list[str],
+                    prefix: str = "") -> list[float] | None:
+    """90 % interval of ``controller``'s speedup over max(best of ``static``, plain) in its lockstep
+    (``prefix``: the second pass's), the speedups against the mean rate of its two plain runs."""
+    from bench.intervals import interval
+
+    plain = [("none", prefix + p, batch) for p in ("plain", "plain-repeat")]
+    keys = {"controller": (drafter, controller, batch), **{f"plain{i}": k for i, k in enumerate(plain)},
+            **{f"static{i}": (drafter, s, batch) for i, s in enumerate(static)}}
+    if not all(k in series for k in keys.values()):
+        return None
+    chosen = {name: series[k] for name, k in keys.items()}
+
+    def ratio(rates: dict) -> "np.ndarray":
+        base = (rates["plain0"] + rates["plain1"]) / 2.0
+        best = np.max([rates[f"static{i}"] for i in range(len(static))], axis=0) / base
+        return rates["controller"] / base / np.maximum(best, 1.0)
+
+    lo, hi = interval(chosen, ratio)
+    return [round(lo, 3), round(hi, 3)]
 
 
 def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies,
@@ -852,6 +920,7 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
     rng = random.Random(batch)
 
     runners, requests = {}, {}
+    before: dict[tuple, tuple[Counter, Counter]] = {}  # runner key -> its agent's override counters at the start
     own_clock: dict[tuple, RunClock] = {}  # runner key -> the clock of the controller it reports to
     bar = None
     try:
@@ -864,6 +933,8 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
             requests[key] = [engine.submit(p, max_new_tokens) for p in ids]
             runners[key] = _SteppedEngine(engine, f"engine-{name}-{pol}")
             tallies[key] = _Tally()
+            if _override_counts(observer) is not None:
+                before[key] = _override_counts(observer)
             if i == 0:  # the peer's rows right after plain's
                 for k in hf_depths:
                     runners[_hf_key(k)] = _SteppedGenerate(model, ids, max_new_tokens, k)
@@ -876,9 +947,14 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
                 break
             moved: dict[int, list] = {}  # id(clock) -> [clock, Σ step seconds, engines]
             for key in _round_order(live, rng):
+                before_tokens = runners[key].tokens
                 secs, cpu = runners[key].step()
-                tallies[key].secs += secs
-                tallies[key].cpu += cpu
+                tally = tallies[key]
+                tally.secs += secs
+                tally.cpu += cpu
+                tally.step_secs.append(secs)
+                tally.step_cpu.append(cpu)
+                tally.step_tokens.append(runners[key].tokens - before_tokens)
                 if key in own_clock:
                     m = moved.setdefault(id(own_clock[key]), [own_clock[key], 0.0, 0])
                     m[1] += secs
@@ -898,6 +974,19 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
             tallies[key].add_peer(runner, reference)
         else:
             tallies[key].add_stats(runner.engine.stats, [r.output for r in requests[key]] == reference)
+        if key in before:  # one agent per controlled run of a lockstep: its counters moved for this run only
+            after = _override_counts(runner.engine.observer)
+            tallies[key].controlled = True
+            tallies[key].overrides.update(after[0] - before[key][0])
+            tallies[key].override_draft_asks.update(after[1] - before[key][1])
+
+
+def _override_counts(observer) -> tuple[Counter, Counter] | None:
+    """An agent's override counters (decisions, and those that draft, by reason), copied; None for another observer."""
+    stats = getattr(observer, "stats", None)
+    if not hasattr(stats, "override_decisions"):
+        return None
+    return Counter(stats.override_decisions), Counter(stats.override_draft_asks)
 
 
 def _round_order(live: list, rng: random.Random) -> list:
@@ -1005,6 +1094,11 @@ class _SteppedEngine(_TurnThread):
         self.engine = engine
         super().__init__(name)
 
+    @property
+    def tokens(self) -> int:
+        """Tokens emitted so far."""
+        return self.engine.stats.tokens
+
     def _body(self) -> None:
         while self.engine.has_work():
             self._park()
@@ -1041,6 +1135,11 @@ class _SteppedGenerate(_TurnThread):
     @property
     def forwards(self) -> int:
         return self.turns
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the prompts finished so far (``generate`` returns a prompt's answer whole)."""
+        return sum(len(o) for o in self.outputs)
 
     def _before_forward(self, module, args) -> None:
         if threading.get_ident() == self._own:  # not another peer's thread, nor an engine's
@@ -1129,6 +1228,19 @@ def _print_summary(summary) -> None:
               f"{num(s['cold_vs_best_static_or_plain']):>9} {num(s['warm_vs_best_static_or_plain']):>9} | "
               f"{'':13}{num(two.get('best_static_speedup')):>6} {num(two.get('cold')):>6} {num(two.get('warm')):>6} "
               f"{num(two.get('cold_vs_best_static_or_plain')):>10} {num(two.get('warm_vs_best_static_or_plain')):>10}")
+    if not any(k.endswith("_interval") for s in summary for k in s):
+        return
+
+    def span(x):
+        return "-" if not x else f"[{x[0]:.3f}, {x[1]:.3f}]"
+
+    print("\n90 % intervals over the lockstep's rounds (moving-block bootstrap, the best shape picked again each time):")
+    for s in summary:
+        two = s.get("second_pass", {})
+        print(f"{s['drafter']:8} {s['batch']:>5}  cold/best {span(s.get('cold_vs_best_static_or_plain_interval'))}"
+              f"  warm/best {span(s.get('warm_vs_best_static_or_plain_interval'))}"
+              f" | second pass: cold/shape {span(two.get('cold_vs_best_static_or_plain_interval'))}"
+              f"  warm/shape {span(two.get('warm_vs_best_static_or_plain_interval'))}")
 
 
 def _print_acceptance(rows) -> None:
@@ -1151,6 +1263,22 @@ def _print_acceptance(rows) -> None:
               + f"  τ {r['warmup_mean_accepted']:.3f}/{r['eval_mean_accepted']:.3f}"
               f"  rows {r['warmup_drafting_row_steps']}/{r['eval_drafting_row_steps']}"
               f"  depth {r['warmup_mean_depth']:.2f}/{r['eval_mean_depth']:.2f}")
+
+
+def _print_overrides(runs, warmup: list[dict]) -> None:
+    """Where the controlled runs' drafting came from: row-steps an override
+    decided and asked to draft, by reason, beside all the row-steps that drafted."""
+    rows = [(f"{r.policy} {r.drafter} b{r.batch}", r.spec_row_steps, r.override_row_steps, r.override_draft_asks)
+            for r in runs if r.controlled]
+    rows += [(f"warm-up {w['drafter']} b{w['batch']}", w["spec_row_steps"], w["override_row_steps"],
+              w["override_draft_asks"]) for w in warmup]
+    if not rows:
+        return
+    print("\nrow-steps decided by per-request overrides, by reason: asked to draft / all "
+          "(row-steps that drafted, overrides and table together)")
+    for label, spec, decided, drafted in rows:
+        reasons = "  ".join(f"{reason or '-'} {drafted.get(reason, 0)}/{n}" for reason, n in sorted(decided.items()))
+        print(f"  {label:34} {reasons or 'none'}  (drafting {spec})")
 
 
 def _plot(runs, path: Path, batches) -> None:

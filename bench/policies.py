@@ -557,16 +557,7 @@ class WorkerLink:
                 self.version = item.version
                 self.plans_applied += 1
             else:
-                d = self.hello.drafter
-                overrides = dict(self.local.overrides)
-                for rd in item.decisions:
-                    cell = rd.decision
-                    if cell.depth > d.max_depth or cell.width > d.max_width or cell.max_nodes > d.max_tree_nodes:
-                        raise ValueError(f"decision for {rd.request_id!r} exceeds the drafter's limits")
-                    overrides[rd.request_id] = Decision(cell.depth, cell.width, cell.max_nodes)
-                for rid in item.cleared:
-                    overrides.pop(rid, None)
-                self.local.overrides = overrides
+                self.local.apply_decisions(item, self.hello.drafter)
         except ValueError as err:
             self.nacks += 1
             ctl.nack(state, worker_pb2.Nack(version=item.version, nonce=item.nonce, reason=str(err)))

@@ -55,6 +55,33 @@ def test_request_overrides_win_until_cleared_or_finished():
     assert a.decide("probe", 100, 1) == Decision.chain(3)
 
 
+def test_override_decisions_are_counted_by_the_controllers_reason():
+    a = agent()
+    a._apply_plan(plan(1))
+
+    def override(rid, depth, reason):
+        return plan_pb2.RequestDecision(request_id=rid, reason=reason,
+                                        decision=plan_pb2.Decision(depth=depth, width=min(depth, 1), max_nodes=depth))
+
+    msg = plan_pb2.RequestDecisions(version=2, nonce="x", decisions=[
+        override("a", 2, "price-probe"), override("b", 0, "explore"), override("c", 1, "")])
+    assert a._apply_decisions(msg).WhichOneof("payload") == "ack"
+    for _ in range(3):
+        for rid in ("a", "b", "c", "table"):
+            a.decide(rid, 100, 1)
+    assert a.stats.override_decisions == {"price-probe": 3, "explore": 3, "": 3}
+    assert a.stats.override_draft_asks == {"price-probe": 3, "": 3}  # "b" was switched off: decided, no draft asked
+    # A refused message changes nothing; a cleared id goes back to the table and its reason with it.
+    too_deep = plan_pb2.RequestDecisions(version=3, nonce="y", decisions=[override("a", 9, "explore")])
+    assert a._apply_decisions(too_deep).WhichOneof("payload") == "nack"
+    assert a._local.reasons["a"] == "price-probe" and a.decide("a", 100, 1) == Decision.chain(2)
+    assert a._apply_decisions(plan_pb2.RequestDecisions(version=4, nonce="z", cleared=["a"])).WhichOneof(
+        "payload") == "ack"
+    assert a.decide("a", 100, 1) == Decision.chain(3) and "a" not in a._local.reasons
+    a.finish(RequestSummary("b", 10, 3, 7, 0.0))
+    assert "b" not in a._local.reasons and a.stats.override_decisions["price-probe"] == 4
+
+
 def test_telemetry_queue_is_bounded_drops_oldest_and_counts():
     a = agent(queue_size=3)
     for i in range(1, 6):

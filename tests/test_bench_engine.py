@@ -247,7 +247,31 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
             assert two[tag] == runs[("ngram", f"confirm-goodput-{tag}", b)]["speedup_vs_plain"]
             assert two[f"{tag}_vs_best_static_or_plain"] == pytest.approx(
                 two[tag] / max(shape["speedup_vs_plain"], 1.0), abs=2e-3)
+            # each ratio's interval over its own lockstep's rounds (bench.intervals, tested apart)
+            for where in (s, two):
+                lo, hi = where[f"{tag}_vs_best_static_or_plain_interval"]
+                assert 0 < lo <= hi
     assert (tmp_path / "engine.png").stat().st_size > 0
+
+    # Where the controlled runs' drafting came from: overrides by reason, inside the run's own row-steps.
+    for (d, p, b), r in runs.items():
+        assert r["controlled"] == ("goodput" in p)
+        if not r["controlled"]:
+            assert r["override_row_steps"] == {} and r["override_draft_asks"] == {}
+            continue
+        overrides, drafted = r["override_row_steps"], r["override_draft_asks"]
+        assert set(drafted) <= set(overrides) and all(0 < drafted[k] <= overrides[k] for k in drafted)
+        assert sum(overrides.values()) <= r["steps"] * b
+        assert r["spec_row_steps"] <= r["steps"] * b and (r["spec_row_steps"] > 0) == (r["spec_fraction"] > 0)
+    warmups = {(w["drafter"], w["batch"]): w for w in result["warmup_overrides"]}
+    acceptance = {(a["drafter"], a["batch"]): a for a in result["acceptance_warmup_vs_eval"]}
+    assert set(warmups) == {("ngram", 1), ("ngram", 2)}
+    for key, w in warmups.items():  # the same warm-up the acceptance rows counted
+        assert w["row_steps"] == acceptance[key]["warmup_row_steps"] > 0
+        assert w["spec_row_steps"] == acceptance[key]["warmup_drafting_row_steps"]
+        assert sum(w["override_row_steps"].values()) <= w["row_steps"]
+        assert all(w["override_draft_asks"].get(k, 0) <= n for k, n in w["override_row_steps"].items())
+        assert w["spec_row_steps"] <= w["row_steps"]
 
 
 def test_the_confirmation_pass_times_the_fastest_static_run_on_the_benchmark_basis():

@@ -61,7 +61,7 @@ import logging
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple, Sequence
 
@@ -147,6 +147,12 @@ class AgentStats:
     # decide() calls answered by the fallback decision: before the first plan only (the
     # agent never goes back to it). Counted without a lock, like unknown_class.
     fallback_decisions: int = 0
+    # decide() calls answered by a per-request override, by the reason the controller
+    # gave for it ("explore", "price-probe", ...; "" where it gave none), and of those
+    # the ones that ask for a draft (a drafter may find none to offer). Counted
+    # without a lock, like unknown_class.
+    override_decisions: Counter = field(default_factory=Counter)
+    override_draft_asks: Counter = field(default_factory=Counter)
     # Replicas: the address of the stream (or the last one), moves, steps re-sent to a new replica.
     replica: str = ""
     failovers: int = 0
@@ -327,14 +333,15 @@ class LocalDecisions:
     the simulator exercises this very lookup. ``plan`` and ``overrides`` are
     replaced whole, never mutated (``decide`` may run on another thread).
     Counters go to ``stats`` (``fallback_decisions``, ``unknown_class``,
-    ``last_unknown_class``).
+    ``last_unknown_class``, ``override_decisions``, ``override_draft_asks``).
     """
 
-    __slots__ = ("plan", "overrides", "outcomes", "codes", "stats")
+    __slots__ = ("plan", "overrides", "reasons", "outcomes", "codes", "stats")
 
     def __init__(self, plan: CompiledPlan, stats: "AgentStats") -> None:
         self.plan = plan
         self.overrides: dict[str, Decision] = {}
+        self.reasons: dict[str, str] = {}  # request id -> why the controller overrode it
         self.outcomes = OutcomeTracker()
         self.codes = self.outcomes.codes  # the tracker's dict itself (cleared, never replaced): one lookup less
         self.stats = stats
@@ -346,6 +353,10 @@ class LocalDecisions:
         the request's state when the plan has one."""
         override = self.overrides.get(request_id)
         if override is not None:
+            reason = self.reasons.get(request_id, "")
+            self.stats.override_decisions[reason] += 1
+            if override.depth:
+                self.stats.override_draft_asks[reason] += 1
             return override
         plan = self.plan  # read once: a plan arriving meanwhile is swapped whole
         if plan.fallback:
@@ -377,6 +388,28 @@ class LocalDecisions:
         if self.plan.state_tables:
             self.outcomes.observe(step)
 
+    def apply_decisions(self, msg: plan_pb2.RequestDecisions, drafter: worker_pb2.Drafter) -> None:
+        """Apply a RequestDecisions: its overrides win over the table from now
+        on, the ids it clears go back to it. Raises ``ValueError`` (nothing
+        applied) for a decision past ``drafter``'s limits."""
+        d = drafter
+        overrides, reasons = dict(self.overrides), dict(self.reasons)
+        for i, rd in enumerate(msg.decisions):
+            cell = rd.decision
+            if cell.depth > d.max_depth or cell.width > d.max_width or cell.max_nodes > d.max_tree_nodes:
+                raise ValueError(f"decisions[{i}] for {rd.request_id!r} exceeds the drafter's limits")
+            overrides[rd.request_id] = Decision(cell.depth, cell.width, cell.max_nodes)
+            reasons[rd.request_id] = rd.reason
+        for rid in msg.cleared:
+            overrides.pop(rid, None)
+            reasons.pop(rid, None)
+        self.reasons = reasons  # before the overrides: decide() reads an override's reason after it
+        self.overrides = overrides
+
+    def clear_overrides(self) -> None:
+        self.overrides = {}
+        self.reasons = {}
+
     def forget(self, request_id: str) -> None:
         """The request left: its override and its state go."""
         self.outcomes.forget(request_id)
@@ -384,6 +417,9 @@ class LocalDecisions:
             overrides = dict(self.overrides)
             overrides.pop(request_id, None)
             self.overrides = overrides
+            reasons = dict(self.reasons)
+            reasons.pop(request_id, None)
+            self.reasons = reasons
 
 
 def step_to_proto(step: StepTelemetry) -> worker_pb2.StepReport:
@@ -644,7 +680,7 @@ class SpeculationAgent:
         hello.drafter.CopyFrom(drafter)
         d = hello.drafter
         self._local.install(self._local.plan.clamped(d.max_depth, d.max_width, d.max_tree_nodes))
-        self._local.overrides = {}
+        self._local.clear_overrides()
         if self._loop is None or not self._loop.is_running():
             self.hello = hello
             return
@@ -1131,20 +1167,11 @@ class SpeculationAgent:
         return worker_pb2.WorkerMessage(ack=worker_pb2.Ack(version=plan.version, nonce=plan.nonce))
 
     def _apply_decisions(self, msg: plan_pb2.RequestDecisions) -> worker_pb2.WorkerMessage:
-        d = self.hello.drafter
-        overrides = dict(self._local.overrides)
         try:
-            for i, rd in enumerate(msg.decisions):
-                cell = rd.decision
-                if cell.depth > d.max_depth or cell.width > d.max_width or cell.max_nodes > d.max_tree_nodes:
-                    raise ValueError(f"decisions[{i}] for {rd.request_id!r} exceeds the drafter's limits")
-                overrides[rd.request_id] = Decision(cell.depth, cell.width, cell.max_nodes)
+            self._local.apply_decisions(msg, self.hello.drafter)
         except ValueError as err:
             self.stats.nacks_sent += 1
             return worker_pb2.WorkerMessage(nack=worker_pb2.Nack(version=msg.version, nonce=msg.nonce,
                                                                   reason=str(err)))
-        for rid in msg.cleared:
-            overrides.pop(rid, None)
-        self._local.overrides = overrides
         self.stats.decisions_applied += 1
         return worker_pb2.WorkerMessage(ack=worker_pb2.Ack(version=msg.version, nonce=msg.nonce))
