@@ -121,6 +121,7 @@ order of the turns.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import logging
 import random
@@ -792,13 +793,24 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "runs": [asdict(r) for r in runs],
     }
     (out / "engine.json").write_text(json.dumps(result, indent=1))
+    # Every timed run step by step (the lockstep's round i holds each run's i-th step): what the
+    # intervals were drawn from, to draw them again or otherwise.
+    steps = [{"drafter": d, "policy": p, "batch": b, "basis": basis,
+              "ms": [round(1e3 * s, 3) for s in t.series(basis)[0]], "tokens": t.step_tokens}
+             for (d, p, b), t in tallies.items()]
+    with gzip.open(out / "engine-steps.json.gz", "wt") as f:
+        json.dump(steps, f)
+    ratios = plot and any(k.endswith("_interval") for s in summary for k in s)
     if plot:
         _plot(runs, out / "engine.png", batches)
+    if ratios:
+        _plot_ratios(summary, out / "engine-ratios.png")
     _print_table(runs)
     _print_summary(summary)
     _print_acceptance(acceptance)
     _print_overrides(runs, warmup_overrides)
-    print(f"wrote {out / 'engine.json'}" + (f" and {out / 'engine.png'}" if plot else ""))
+    print(f"wrote {out / 'engine.json'}" + (f" and {out / 'engine.png'}" if plot else "")
+          + (" and engine-ratios.png" if ratios else ""))
     return 0
 
 
@@ -1323,6 +1335,43 @@ def _plot(runs, path: Path, batches) -> None:
             ax.axvline(first[batch] - 0.5, color="#cc2222", lw=1.0)
             ax.text(first[batch] - 0.4, ax.get_ylim()[1] * 0.97, "second pass", color="#cc2222", fontsize=7, va="top")
     fig.suptitle("specctl reference engine, SmolLM2-135M on this CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_ratios(summary: list[dict], path: Path) -> None:
+    """Each controller's ratio to max(best static, plain) per drafter and batch, main pass and second pass,
+    with its 90 % interval over the lockstep's rounds: under the line at 1 with the whole bar, behind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [f"{s['drafter']}\nb{s['batch']}" for s in summary]
+    series = [("cold", "main", "#88aacc", "o"), ("warm", "main", "#224477", "s"),
+              ("cold", "second", "#ddaa88", "o"), ("warm", "second", "#aa5522", "s")]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.0 * len(cells)), 4.2))
+    for i, (tag, passed, color, marker) in enumerate(series):
+        xs, ys, lo, hi = [], [], [], []
+        for x, s in enumerate(summary):
+            where = s if passed == "main" else s.get("second_pass", {})
+            value, span = where.get(f"{tag}_vs_best_static_or_plain"), where.get(f"{tag}_vs_best_static_or_plain_interval")
+            if value is None or not span:
+                continue
+            xs.append(x + (i - 1.5) * 0.17)
+            ys.append(value)
+            lo.append(max(value - span[0], 0.0))
+            hi.append(max(span[1] - value, 0.0))
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt=marker, color=color, capsize=2, ms=4, lw=1,
+                    label=f"{tag}, {passed} pass")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels(cells, fontsize=8)
+    ax.set_ylabel("controller / max(best static, plain)\n(90 % interval over the rounds)", fontsize=8)
+    ax.set_title("Controller vs the best static shape in hindsight (main pass)\nand vs the picked shape "
+                 "(second pass)", fontsize=9)
+    ax.legend(fontsize=7, ncol=4, loc="lower center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

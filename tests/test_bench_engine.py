@@ -252,6 +252,16 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
                 lo, hi = where[f"{tag}_vs_best_static_or_plain_interval"]
                 assert 0 < lo <= hi
     assert (tmp_path / "engine.png").stat().st_size > 0
+    assert (tmp_path / "engine-ratios.png").stat().st_size > 0  # the ratios with their intervals, drawn
+    # Every timed run step by step: its steps and tokens add up to the run's.
+    import gzip
+
+    with gzip.open(tmp_path / "engine-steps.json.gz", "rt") as f:
+        steps = {(s["drafter"], s["policy"], s["batch"]): s for s in json.load(f)}
+    assert set(steps) == set(runs)
+    for key, s in steps.items():
+        assert len(s["ms"]) == runs[key]["steps"] and sum(s["tokens"]) == runs[key]["tokens"] and s["basis"] == "cpu"
+        assert min(s["ms"]) > 0
 
     # Where the controlled runs' drafting came from: overrides by reason, inside the run's own row-steps.
     for (d, p, b), r in runs.items():
