@@ -762,7 +762,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         hf_plain = tallies.get(("hf-generate", "plain", r.batch))
         if r.drafter.startswith("hf-") and hf_plain is not None:
             r.speedup_vs_hf_plain = round(_rate(tallies[(r.drafter, r.policy, r.batch)], basis) / _rate(hf_plain, basis), 3)
-    summary = static_vs_controller(runs, policy, {key: t.series(basis) for key, t in tallies.items()})
+    series = {key: t.series(basis) for key, t in tallies.items()}
+    engine_var = plain_engine_variance(series)
+    summary = static_vs_controller(runs, policy, series, engine_var)
     acceptance = acceptance_warmup_vs_eval(
         warmup_acceptance, eval_acceptance,
         f"{policy}-warm warm-up ({len(warm_ids)} prompts, untimed, the controller's shapes)" if warm_agents else "")
@@ -787,6 +789,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                                                           **{n: list(ms) for n, ms in lm.kernels.stack.total.items()}},
         "controller_cost_models": fitted,
         "calibration": [asdict(t) for t in calibration],
+        # the engines' own speeds: sd of one engine's log rate past what the rounds show, from the plain pairs
+        "engine_sd_log": round(float(np.sqrt(engine_var)), 4),
         "static_vs_controller": summary,
         "acceptance_warmup_vs_eval": acceptance,
         "warmup_overrides": warmup_overrides,
@@ -807,6 +811,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         _plot_ratios(summary, out / "engine-ratios.png")
     _print_table(runs)
     _print_summary(summary)
+    print(f"(intervals widened by each engine's own speed: sd {100 * np.sqrt(engine_var):.2f} % of its rate, "
+          "from the plain pairs)")
     _print_acceptance(acceptance)
     _print_overrides(runs, warmup_overrides)
     print(f"wrote {out / 'engine.json'}" + (f" and {out / 'engine.png'}" if plot else "")
@@ -815,6 +821,26 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
 
 CONFIRM = "confirm-"  # policy prefix of the confirmation pass's runs
+
+
+def rescore_intervals(folder: str | Path, plot: bool = True) -> list[dict]:
+    """Draw a saved run's intervals again from its ``engine-steps.json.gz``
+    (``static_vs_controller`` and ``engine_sd_log`` in its ``engine.json``
+    rewritten, ``engine-ratios.png`` redrawn): a run made before the
+    intervals took the engines' own speeds in. Returns the new summary."""
+    folder = Path(folder)
+    result = json.loads((folder / "engine.json").read_text())
+    with gzip.open(folder / "engine-steps.json.gz", "rt") as f:
+        series = {(s["drafter"], s["policy"], s["batch"]): (s["ms"], s["tokens"]) for s in json.load(f)}
+    runs = [EngineRun(**r) for r in result["runs"]]
+    engine_var = plain_engine_variance(series)
+    summary = static_vs_controller(runs, result["policy"], series, engine_var)
+    result["engine_sd_log"] = round(float(np.sqrt(engine_var)), 4)
+    result["static_vs_controller"] = summary
+    (folder / "engine.json").write_text(json.dumps(result, indent=1))
+    if plot:
+        _plot_ratios(summary, folder / "engine-ratios.png")
+    return summary
 
 
 def _rate(t: "_Tally", basis: str) -> float:
@@ -830,7 +856,7 @@ def best_static_name(tallies, drafter: str, batch: int, basis: str = "cpu") -> s
     return max(static, key=lambda kv: _rate(kv[1], basis))[0] if static else ""
 
 
-def static_vs_controller(runs, policy: str, series: dict | None = None) -> list[dict]:
+def static_vs_controller(runs, policy: str, series: dict | None = None, engine_var: float = 0.0) -> list[dict]:
     """Per learned drafter and batch size: the best static configuration in
     hindsight (over chains and trees; speedups against plain, CPU time), the
     best chain and tree, the cold and warm controller and their ratios to
@@ -840,7 +866,9 @@ def static_vs_controller(runs, policy: str, series: dict | None = None) -> list[
     ``series``: (drafter, policy, batch) -> per round, the step's seconds and
     tokens (``_Tally.series``); given, each ratio to max(best static, plain)
     gets its 90 % interval over the lockstep's rounds (:mod:`bench.intervals`;
-    ``*_interval``), the best static shape picked again in every replicate."""
+    ``*_interval``), the best static shape picked again in every replicate,
+    widened by the engines' own speeds (``engine_var``: the per-engine
+    variance of the log rate, :func:`plain_engine_variance`; twice, for two engines)."""
     out = []
     keys = sorted({(r.drafter, r.batch) for r in runs if r.drafter in ("ngram", "medusa", "eagle")},
                   key=lambda k: (k[1], ("ngram", "medusa", "eagle").index(k[0])))
@@ -867,7 +895,7 @@ def static_vs_controller(runs, policy: str, series: dict | None = None) -> list[
                                                      if c else None)
             if c and series:
                 row[f"{tag}_vs_best_static_or_plain_interval"] = _ratio_interval(
-                    series, drafter, batch, c.policy, [r.policy for r in static])
+                    series, drafter, batch, c.policy, [r.policy for r in static], engine_var=engine_var)
         again = {r.policy.removeprefix(CONFIRM): r.speedup_vs_plain for r in rs if r.policy.startswith(CONFIRM)}
         if best.policy in again:
             shape = again[best.policy]
@@ -879,7 +907,8 @@ def static_vs_controller(runs, policy: str, series: dict | None = None) -> list[
                 for tag in ("cold", "warm"):
                     if f"{policy}-{tag}" in again:
                         row["second_pass"][f"{tag}_vs_best_static_or_plain_interval"] = _ratio_interval(
-                            series, drafter, batch, f"{CONFIRM}{policy}-{tag}", [CONFIRM + best.policy], CONFIRM)
+                            series, drafter, batch, f"{CONFIRM}{policy}-{tag}", [CONFIRM + best.policy], CONFIRM,
+                            engine_var)
         ctl = row["warm"] if row["warm"] is not None else row["cold"]
         row["share_of_oracle"] = round(ctl / max(oracle), 3) if oracle and ctl is not None else None
         row["lossless"] = all(r.lossless for r in rs)
@@ -887,10 +916,22 @@ def static_vs_controller(runs, policy: str, series: dict | None = None) -> list[
     return out
 
 
+def plain_engine_variance(series: dict) -> float:
+    """The per-engine variance of the log rate the rounds do not show (:func:`bench.intervals.engine_variance`),
+    from the plain pairs of every lockstep in ``series`` (plain and plain-repeat, main and second passes)."""
+    from bench.intervals import engine_variance
+
+    pairs = [(series[("none", p, b)], series[("none", p + "-repeat", b)])
+             for (d, p, b) in series if d == "none" and p in ("plain", CONFIRM + "plain")
+             and ("none", p + "-repeat", b) in series]
+    return engine_variance(pairs)
+
+
 def _ratio_interval(series: dict, drafter: str, batch: int, controller: str, static: list[str],
-                    prefix: str = "") -> list[float] | None:
+                    prefix: str = "", engine_var: float = 0.0) -> list[float] | None:
     """90 % interval of ``controller``'s speedup over max(best of ``static``, plain) in its lockstep
-    (``prefix``: the second pass's), the speedups against the mean rate of its two plain runs."""
+    (``prefix``: the second pass's), the speedups against the mean rate of its two plain runs;
+    ``engine_var`` per engine, for the controller's engine and the one it is set against."""
     from bench.intervals import interval
 
     plain = [("none", prefix + p, batch) for p in ("plain", "plain-repeat")]
@@ -905,7 +946,7 @@ def _ratio_interval(series: dict, drafter: str, batch: int, controller: str, sta
         best = np.max([rates[f"static{i}"] for i in range(len(static))], axis=0) / base
         return rates["controller"] / base / np.maximum(best, 1.0)
 
-    lo, hi = interval(chosen, ratio)
+    lo, hi = interval(chosen, ratio, extra_log_var=2.0 * engine_var)
     return [round(lo, 3), round(hi, 3)]
 
 

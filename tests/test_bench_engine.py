@@ -262,6 +262,14 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
     for key, s in steps.items():
         assert len(s["ms"]) == runs[key]["steps"] and sum(s["tokens"]) == runs[key]["tokens"] and s["basis"] == "cpu"
         assert min(s["ms"]) > 0
+    # The intervals, widened by the engines' own speeds from the plain pairs, drawn again from the saved steps.
+    assert result["engine_sd_log"] >= 0
+    from bench.engine import rescore_intervals
+
+    again = rescore_intervals(tmp_path)
+    assert again == json.loads((tmp_path / "engine.json").read_text())["static_vs_controller"]
+    assert [s["warm_vs_best_static_or_plain_interval"] for s in again] == [
+        s["warm_vs_best_static_or_plain_interval"] for s in result["static_vs_controller"]]  # seeded: the same
 
     # Where the controlled runs' drafting came from: overrides by reason, inside the run's own row-steps.
     for (d, p, b), r in runs.items():

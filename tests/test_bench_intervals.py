@@ -74,3 +74,26 @@ def test_picking_the_best_of_many_noisy_shapes_widens_the_interval_downwards():
     lo_many, hi_many = _ratio_interval(data, "ngram", 4, "goodput-warm", list(shapes))
     lo_one, hi_one = _ratio_interval(data, "ngram", 4, "goodput-warm", ["static-0"])
     assert (lo_many + hi_many) / 2 < (lo_one + hi_one) / 2
+
+
+def test_the_engines_own_speeds_are_estimated_from_identical_pairs_and_widen_the_interval():
+    from bench.intervals import engine_variance
+
+    def engines(rng, n, sd):  # each engine its own speed for the whole run, 10 % step noise on top
+        return {k: (rng.normal(0.1, 0.01, 50) / np.exp(rng.normal(0.0, sd)), np.ones(50)) for k in range(n)}
+
+    rng = np.random.default_rng(5)
+    pairs = [tuple(engines(rng, 2, 0.02).values()) for _ in range(60)]
+    assert np.sqrt(engine_variance(pairs)) == pytest.approx(0.02, abs=0.006)
+    assert engine_variance([tuple(engines(rng, 2, 0.0).values()) for _ in range(60)]) < 0.01 ** 2  # 60 pairs: rough
+    assert engine_variance([]) == 0.0
+    narrow = wide = 0
+    for seed in range(150):
+        steps = engines(np.random.default_rng(100 + seed), 2, 0.02)
+        lo, hi = interval(steps, lambda r: r[0] / r[1], draws=400, seed=seed)
+        narrow += lo <= 1.0 <= hi
+        lo, hi = interval(steps, lambda r: r[0] / r[1], draws=400, seed=seed, extra_log_var=2 * 0.02 ** 2)
+        wide += lo <= 1.0 <= hi
+    assert narrow / 150 < 0.75 and 0.82 <= wide / 150 <= 0.98  # the rounds alone miss the engines' speeds
+    with pytest.raises(ValueError, match="extra_log_var must be >= 0, got -1"):
+        interval(steps, lambda r: r[0] / r[1], extra_log_var=-1)
