@@ -52,6 +52,10 @@ same one, and three EAGLE engines that never draft measured 0.982 of plain
 beside it over three lockstep passes at batch 8 (0.998 with the order drawn
 each round, three passes on the same code; identical engines spread 2.0-5.6 %
 against 1.2-2.1 %; docs/benchmarks.md, runs K and L).
+What noise is left is on every controller ratio as a 90 % interval
+(:mod:`bench.intervals`: the rounds resampled in blocks, the engines' own
+speeds from the plain pairs added; ``engine-steps.json.gz`` holds the steps
+they are drawn from, ``rescore_intervals`` draws them again).
 
 Each configuration runs in a thread of its own and only one runs at a
 time: an engine stepped in the process's main thread took 4-6 % more CPU
@@ -1397,7 +1401,8 @@ def _plot_ratios(summary: list[dict], path: Path) -> None:
         xs, ys, lo, hi = [], [], [], []
         for x, s in enumerate(summary):
             where = s if passed == "main" else s.get("second_pass", {})
-            value, span = where.get(f"{tag}_vs_best_static_or_plain"), where.get(f"{tag}_vs_best_static_or_plain_interval")
+            value = where.get(f"{tag}_vs_best_static_or_plain")
+            span = where.get(f"{tag}_vs_best_static_or_plain_interval")
             if value is None or not span:
                 continue
             xs.append(x + (i - 1.5) * 0.17)
@@ -1409,7 +1414,8 @@ def _plot_ratios(summary: list[dict], path: Path) -> None:
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks(range(len(cells)))
     ax.set_xticklabels(cells, fontsize=8)
-    ax.set_ylabel("controller / max(best static, plain)\n(90 % interval over the rounds)", fontsize=8)
+    ax.set_ylabel("controller / max(best static, plain)\n(90 % interval: rounds resampled, engines' own speeds)",
+                  fontsize=8)
     ax.set_title("Controller vs the best static shape in hindsight (main pass)\nand vs the picked shape "
                  "(second pass)", fontsize=9)
     ax.legend(fontsize=7, ncol=4, loc="lower center")
