@@ -990,8 +990,9 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
             requests[key] = [engine.submit(p, max_new_tokens) for p in ids]
             runners[key] = _SteppedEngine(engine, f"engine-{name}-{pol}")
             tallies[key] = _Tally()
-            if _override_counts(observer) is not None:
-                before[key] = _override_counts(observer)
+            counts = _override_counts(observer)
+            if counts is not None:
+                before[key] = counts
             if i == 0:  # the peer's rows right after plain's
                 for k in hf_depths:
                     runners[_hf_key(k)] = _SteppedGenerate(model, ids, max_new_tokens, k)
@@ -1291,7 +1292,8 @@ def _print_summary(summary) -> None:
     def span(x):
         return "-" if not x else f"[{x[0]:.3f}, {x[1]:.3f}]"
 
-    print("\n90 % intervals over the lockstep's rounds (moving-block bootstrap, the best shape picked again each time):")
+    print("\n90 % intervals (the lockstep's rounds resampled in blocks, the best shape picked again each time, "
+          "the engines' own speeds added):")
     for s in summary:
         two = s.get("second_pass", {})
         print(f"{s['drafter']:8} {s['batch']:>5}  cold/best {span(s.get('cold_vs_best_static_or_plain_interval'))}"
@@ -1387,7 +1389,7 @@ def _plot(runs, path: Path, batches) -> None:
 
 def _plot_ratios(summary: list[dict], path: Path) -> None:
     """Each controller's ratio to max(best static, plain) per drafter and batch, main pass and second pass,
-    with its 90 % interval over the lockstep's rounds: under the line at 1 with the whole bar, behind."""
+    with its 90 % interval (:func:`_ratio_interval`): under the line at 1 with the whole bar, behind."""
     import matplotlib
 
     matplotlib.use("Agg")

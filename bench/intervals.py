@@ -62,9 +62,8 @@ def round_weights(rounds: int, draws: int, rng: np.random.Generator, block: int 
 
 def rates(series: Mapping[str, Series], weights: np.ndarray) -> dict[str, np.ndarray]:
     """Each configuration's tokens per second in each replicate, ``(draws,)``."""
-    out = {}
+    out, n = {}, weights.shape[1]
     for name, (seconds, tokens) in series.items():
-        n = weights.shape[1]
         s, t = _padded(seconds, n), _padded(tokens, n)
         out[name] = (weights @ t) / np.maximum(weights @ s, 1e-12)
     return out
@@ -89,11 +88,11 @@ def interval(series: Mapping[str, Series], statistic: Callable[[dict[str, np.nda
     """
     if not 0 < level < 1:
         raise ValueError(f"level must lie in (0, 1), got {level}")
+    if extra_log_var < 0:
+        raise ValueError(f"extra_log_var must be >= 0, got {extra_log_var}")
     rounds = max(len(s) for s, _ in series.values())
     weights = round_weights(rounds, draws, np.random.default_rng(seed))
     values = np.asarray(statistic(rates(series, weights)), dtype=float)
-    if extra_log_var < 0:
-        raise ValueError(f"extra_log_var must be >= 0, got {extra_log_var}")
     if extra_log_var:
         values = values * np.exp(np.random.default_rng(seed + 1).normal(0.0, np.sqrt(extra_log_var), values.shape))
     tail = (1.0 - level) / 2.0
