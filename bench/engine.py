@@ -125,6 +125,7 @@ order of the turns.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import json
 import logging
@@ -580,7 +581,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      drafters=("ngram", "medusa", "eagle", "oracle"), policy: str = "goodput",
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True,
                      warmup_prompts: int = 8, kernels: str = "tuned", calibrate: bool = True,
-                     trees=DEFAULT_TREES, controller_overrides: dict | None = None, confirm: bool = True) -> int:
+                     trees=DEFAULT_TREES, controller_overrides: dict | None = None, confirm: bool = True,
+                     verify_layout: str = "packed") -> int:
     """The benchmark; see the module docstring. ``warmup_prompts`` = 0: no warm
     controller (the cold one only). ``controller_overrides``: controller config
     sections for both controllers (:func:`engine_controller_config`; recorded
@@ -591,7 +593,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     from worker.reference.engine.engine import Engine, static_decide
     from worker.reference.models import load_model
     from worker.reference.prompts import chat_ids
-    from worker.reference.server import build_drafter, make_hello
+    from worker.reference.server import build_drafter, engine_layout, make_hello
 
     set_threads(threads)
     out = Path(out_dir)
@@ -599,6 +601,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     items, warm_items = eval_and_warmup_prompts(prompts, warmup_prompts)
     lm = load_model(model_name, tune_kernels=kernels == "tuned")
     model, tok = lm.model, lm.tokenizer
+    # Every engine of the run verifies in one layout, and every agent's Hello says which.
+    layout = engine_layout(model, verify_layout)
+    Engine = functools.partial(Engine, packed=layout == "packed")  # noqa: N806 - stands in for the class
     device = next(model.parameters()).device
     basis = "cpu" if device.type == "cpu" else "wall"
     for p in model.parameters():
@@ -630,7 +635,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         agents = {}
         try:
             for d in learned:
-                hello = make_hello(f"bench-{d}{suffix}", model_name, model, built[d], max(batches), calibration)
+                hello = make_hello(f"bench-{d}{suffix}", model_name, model, built[d], max(batches), calibration,
+                                   layout)
                 # Telemetry leaves every 5 ms, so ControlSync's wait at the end of a round stays short.
                 options = AgentOptions(fallback=Decision.chain(2), flush_interval_s=0.005)
                 agents[d] = SpeculationAgent(hello, ctl.address, options).start()
@@ -788,6 +794,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "static_shapes": {d: [name for name, _ in shapes[d]] for d in learned},
         "heads": {d: getattr(built[d], "version", "") for d in learned},
         "kernels": _kernel_summary(lm.kernels),
+        "verify_layout": layout,
         # one pass over every linear layer in the model's order, per row count: what chose the kernels
         "kernel_stack_ms": {} if lm.kernels is None else {"rows": list(lm.kernels.stack.rows),
                                                           **{n: list(ms) for n, ms in lm.kernels.stack.total.items()}},

@@ -143,6 +143,15 @@ def _bench(args: argparse.Namespace) -> int:
                                  batch=max(int(b) for b in args.batches.split(",")), prompts=args.prompts,
                                  max_new_tokens=args.max_new_tokens, off_steps=args.catch_up_off_steps,
                                  threads=args.threads, kernels=args.kernels, plot=not args.no_plots)
+    if args.what == "packing":
+        from bench.packing import DEFAULT_SHAPES, run_packing_bench
+
+        out = args.out if args.out != "bench/results" else "bench/results/packing"
+        return run_packing_bench(out_dir=out, model_name=args.model,
+                                 batches=tuple(int(b) for b in args.batches.split(",") if int(b) > 1),
+                                 shapes=tuple(args.packing_shapes.split(",")) if args.packing_shapes else DEFAULT_SHAPES,
+                                 rounds=args.packing_rounds, threads=args.threads, kernels=args.kernels,
+                                 plot=not args.no_plots)
     if args.what == "llamacpp":
         from bench.llamacpp import run_llamacpp_bench
         from policies.presets import PRESET_DIR
@@ -231,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("what", choices=["controller", "policies", "drift", "engine", "faults", "soak", "llamacpp",
-                                        "costfit", "typical", "fleet", "catchup"])
+                                        "costfit", "typical", "fleet", "catchup", "packing"])
     bench.add_argument("--out", default="bench/results", help="output directory for JSON + PNG")
     bench.add_argument("--workers", type=int, default=None, help="simulated workers (default 256; fleet: 32)")
     bench.add_argument("--duration", type=float, default=10.0, help="seconds of measured load (fleet: per backend)")
@@ -274,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
                                              "--threads, --kernels, --quick: 2 prompts x 12 tokens, --no-plots)")
     ty.add_argument("--epsilons", default="0.3,0.09,0.03", help="typical epsilons (delta = sqrt(epsilon))")
     ty.add_argument("--typical-shape", default="4x2:6", help="the n-gram drafter's static tree DEPTHxWIDTH:NODES")
+    pk = bench.add_argument_group("packing", "options of `bench packing` (packed against padded verify; also --model, "
+                                             "--batches (those > 1), --threads, --kernels, --no-plots; --out "
+                                             "default bench/results/packing)")
+    pk.add_argument("--packing-shapes", default="",
+                    help="the drafting rows' static shapes DEPTH or DEPTHxWIDTH:NODES, comma-separated "
+                         "(default bench.packing.DEFAULT_SHAPES: chains of 1 and 3, trees 2x4:5 and 4x2:6)")
+    pk.add_argument("--packing-rounds", type=int, default=15, help="timed verify calls per engine and cell")
     cu = bench.add_argument_group("catchup", "options of `bench catchup` (EAGLE's catch-up window; also --heads, "
                                              "--model, --prompts, --max-new-tokens, --threads, --kernels, "
                                              "--no-plots; batch: the largest of --batches)")

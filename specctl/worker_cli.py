@@ -89,7 +89,8 @@ def _worker(args: argparse.Namespace) -> int:
                          listen=args.listen, worker_id=args.worker_id, max_batch=args.max_batch,
                          fallback_depth=args.fallback_depth, static=args.static, heads_poll_s=args.heads_poll,
                          security=security, kernels=args.kernels, calibrate=not args.no_calibrate,
-                         calibration=args.calibration or "", catch_up_window=args.catch_up_window)
+                         calibration=args.calibration or "", catch_up_window=args.catch_up_window,
+                         verify_layout=args.verify_layout)
     try:
         return run_worker(opts)
     except (ModelUnavailableError, FileNotFoundError, ValueError) as err:
@@ -191,6 +192,9 @@ def _load(args: argparse.Namespace) -> int:
 
 KERNELS_HELP = ("linear-layer kernels on the CPU: 'tuned' (row-count-aware, timed on first use and cached; "
                 "worker.reference.engine.kernels) or 'default' (torch's F.linear)")
+LAYOUT_HELP = ("how a step's draft trees reach the target's forward: 'packed' (default: the matrix products run on "
+               "each row's real entries only, worker.reference.engine.packing) or 'padded' (every row pays for the "
+               "widest block); the worker's Hello tells the controller which")
 DEVICE_HELP = ("torch device of the target model and its KV cache (default cpu; e.g. cuda, cuda:1). Off the CPU "
                "tree verification runs through cascade attention (worker.reference.engine.cascade) and the tuned "
                "CPU kernels are not used; medusa and eagle heads run (and train) where the target is")
@@ -261,6 +265,7 @@ def add_worker_commands(sub) -> None:
     wk.add_argument("--static", default="", help="without a controller: DEPTH[xWIDTH[:NODES]] (default: fallback)")
     wk.add_argument("--threads", type=int, default=1)
     wk.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
+    wk.add_argument("--verify-layout", choices=["packed", "padded"], default="packed", help=LAYOUT_HELP)
     wk.add_argument("--device", default="cpu", help=DEVICE_HELP)
     wk.add_argument("--no-calibrate", action="store_true",
                     help="skip timing the verify step at start-up (the controller then learns costs from traffic only)")
@@ -333,6 +338,7 @@ def add_bench_engine_options(bench) -> None:
     g.add_argument("--heads", help="heads directory (default: cached, trained on first use)")
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--kernels", choices=["tuned", "default"], default="tuned", help=KERNELS_HELP)
+    g.add_argument("--verify-layout", choices=["packed", "padded"], default="packed", help=LAYOUT_HELP)
     g.add_argument("--device", default="cpu", help=DEVICE_HELP + " (off the CPU speedups are on wall time: "
                    "a thread's CPU time does not count the device's work)")
     g.add_argument("--no-confirm", dest="confirm", action="store_false",
@@ -356,7 +362,8 @@ def bench_engine(args: argparse.Namespace) -> int:
         prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         depths=tuple(int(d) for d in args.depths.split(",")), drafters=tuple(args.drafters.split(",")),
         policy=args.engine_policy, threads=args.threads, heads_dir=args.heads, warmup_prompts=args.warmup_prompts,
-        kernels=args.kernels, trees=_tree_shapes(args.trees), controller_overrides=overrides, confirm=args.confirm)
+        kernels=args.kernels, trees=_tree_shapes(args.trees), controller_overrides=overrides, confirm=args.confirm,
+        verify_layout=args.verify_layout)
 
 
 def _controller_overrides(path: str | None) -> dict | None:

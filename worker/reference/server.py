@@ -86,6 +86,9 @@ class WorkerOptions:
     # A step-cost table written by `specctl calibrate` (worker.reference.engine.step_costs): its verify
     # rows go out as the Hello's calibration instead of timing at start-up.
     calibration: str = ""
+    # "packed": the verify forward's matrix products run on each row's real entries only
+    # (worker.reference.engine.packing); "padded": every row pays for the widest block.
+    verify_layout: str = "packed"
 
 
 def parse_static(text: str, default: Decision) -> Decision:
@@ -142,8 +145,25 @@ def build_drafter(kind: str, model, heads_dir: str | None, model_name: str, max_
     raise ValueError(f"unknown drafter {kind!r}: expected none, ngram, medusa or eagle")
 
 
+VERIFY_LAYOUTS = {"packed": worker_pb2.VERIFY_LAYOUT_PACKED, "padded": worker_pb2.VERIFY_LAYOUT_PADDED}
+
+
+def engine_layout(model, verify_layout: str) -> str:
+    """The layout an :class:`Engine` on ``model`` runs when asked for ``verify_layout``:
+    ``"packed"`` only where the model's layers can be packed (``packing.install_packing``)."""
+    if verify_layout not in VERIFY_LAYOUTS:
+        raise ValueError(f"verify_layout must be one of {sorted(VERIFY_LAYOUTS)}, got {verify_layout!r}")
+    from worker.reference.engine.packing import install_packing
+
+    if verify_layout == "packed" and install_packing(getattr(model, model.base_model_prefix)) > 0:
+        return "packed"
+    return "padded"
+
+
 def make_hello(worker_id: str, model_name: str, model, drafter, max_batch: int,
-               calibration: Sequence[VerifyTiming] = ()) -> worker_pb2.Hello:
+               calibration: Sequence[VerifyTiming] = (), verify_layout: str = "packed") -> worker_pb2.Hello:
+    """The Hello of a reference worker; ``verify_layout`` is what its engine runs
+    (``Engine.verify_layout``; :func:`engine_layout` before the engine exists)."""
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -157,7 +177,7 @@ def make_hello(worker_id: str, model_name: str, model, drafter, max_batch: int,
                                      kv_bytes_per_token=float(2 * cfg.num_hidden_layers * heads * head_dim * itemsize),
                                      params=float(params)),
         max_batch_size=max_batch,
-        verify_layout=worker_pb2.VERIFY_LAYOUT_PADDED,  # Engine pads every row's block to the largest
+        verify_layout=VERIFY_LAYOUTS[verify_layout],
         calibration=[worker_pb2.VerifySample(batch_size=t.batch_size, batch_tokens=t.batch_tokens,
                                              kv_tokens=t.kv_tokens, verify_ms=t.verify_ms, repeats=t.repeats)
                      for t in calibration],
@@ -193,7 +213,9 @@ class ReferenceWorker:
         elif opts.controller and opts.calibrate:
             self.calibration = calibrate_verify(model, opts.max_batch, opts.max_tree_nodes, progress=False)
             log.info("calibrated verify at %d batch shapes", len(self.calibration))
-        self.hello = make_hello(self.worker_id, model_name, model, drafter, opts.max_batch, self.calibration)
+        self.verify_layout = engine_layout(model, opts.verify_layout)
+        self.hello = make_hello(self.worker_id, model_name, model, drafter, opts.max_batch, self.calibration,
+                                self.verify_layout)
         self.agent = None
         fallback = Decision.chain(opts.fallback_depth) if drafter is not None else Decision.off()
         if opts.controller:
@@ -206,7 +228,8 @@ class ReferenceWorker:
             decide, observer, classes = self.agent.decide, self.agent, self.agent.acceptance_rule
         else:
             decide, observer, classes = static_decide(parse_static(opts.static, fallback)), None, None
-        self.engine = Engine(model, drafter, decide, observer=observer, max_batch=opts.max_batch, classes=classes)
+        self.engine = Engine(model, drafter, decide, observer=observer, max_batch=opts.max_batch, classes=classes,
+                             packed=self.verify_layout == "packed")
         self.model_name = model_name
         self.rollouts: list[tuple[float, str, str]] = []  # (time, old version, new version)
         self._heads_checked = time.monotonic()
@@ -299,7 +322,7 @@ class ReferenceWorker:
             old.release(row.req.request_id)
         self.engine.drafter = new
         self.hello = make_hello(self.worker_id, self.model_name, self.model, new, self.opts.max_batch,
-                                self.calibration)
+                                self.calibration, self.engine.verify_layout)
         if self.agent is not None:
             self.agent.roll_drafter(self.hello.drafter)
         self.rollouts.append((time.time(), old.version, new.version))

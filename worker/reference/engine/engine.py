@@ -17,9 +17,11 @@ One ``Engine.step()``:
    off (``CatchUp``; timed apart, not in the step's draft time);
 4. **verify** (timed): one forward of the target's decoder over every row's
    ``[root | draft nodes]`` block (own tree mask per row, padded to the
-   largest; off the CPU its attention is cascaded, ``cascade.py``), LM head
-   on the real entries only, acceptance per row (greedy, or recursive
-   rejection sampling when ``temperature > 0``; typical acceptance for rows
+   largest; off the CPU its attention is cascaded, ``cascade.py``), its
+   matrix products on the real entries only when padding is a fifth of the
+   block or more (``packing.py``), LM head on the real entries only,
+   acceptance per row (greedy, or recursive rejection sampling when
+   ``temperature > 0``; typical acceptance for rows
    whose rule says so), KV compaction to the accepted paths;
 5. **commit**: emitted tokens (accepted drafts + bonus, cut at EOS /
    ``max_new_tokens``), hidden states of the accepted entries queued for the
@@ -75,6 +77,7 @@ from worker.reference.engine.attention import use_grouped_attention
 from worker.reference.engine.batch import RowOutcome, build_block, greedy_path, row_outcome, typical_path
 from worker.reference.engine.cascade import PREFIX_VALID_KWARG, use_cascade_attention
 from worker.reference.engine.kv import BatchKV, SlotCache
+from worker.reference.engine.packing import install_packing, packed_rows, real_entries
 from worker.reference.engine.sampling import sample_accept_tree
 from worker.reference.engine.verify import STRICT, AcceptanceRule, _cache_kwarg, typical_passes
 from worker.sdk.shadow import ShadowDrafts
@@ -256,6 +259,12 @@ class Engine:
         (default): when the drafter says its proposals are cheap and
         deterministic (``drafter.shadows``); ``True`` with any other drafter
         raises.
+    packed : bool
+        Verify packed (``packing.py``, the default): the decoder's matrix
+        products run on the real entries of a step's block only, so a row
+        that drafts less than the widest pays for its own entries. False:
+        every row is padded to the widest (``verify_layout`` says which the
+        engine runs; a worker tells its controller in ``Hello``).
     """
 
     def __init__(
@@ -274,6 +283,7 @@ class Engine:
         acceptance: AcceptanceRule | str | tuple | None = None,
         classes=None,
         shadows: bool | None = None,
+        packed: bool = True,
     ) -> None:
         if not temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -285,6 +295,7 @@ class Engine:
             raise ValueError(f"cascade attention needs a model on SDPA, this one runs "
                              f"{getattr(model.config, '_attn_implementation', None)!r}")
         self.base = getattr(model, model.base_model_prefix)
+        self.packed = bool(packed) and install_packing(self.base) > 0
         self.lm_head = model.get_output_embeddings()
         self._cache_kw = _cache_kwarg(type(self.base))
         self.drafter = drafter
@@ -370,6 +381,11 @@ class Engine:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def verify_layout(self) -> str:
+        """``"packed"`` or ``"padded"``: what a step's forward computes (``Hello.verify_layout``)."""
+        return "packed" if self.packed else "padded"
 
     def has_work(self) -> bool:
         return bool(self.rows or self._waiting)
@@ -489,11 +505,13 @@ class Engine:
         past_len = self.kv.length
         # Cascade: the attention reads the prefix's real slots from here and only the block part of the mask.
         cascade = {PREFIX_VALID_KWARG: self.kv.valid} if self.cascade else {}  # bool [batch, past_len]
-        out = self.base(input_ids=block.ids, attention_mask=block.attention_mask, position_ids=block.position_ids,
-                        use_cache=True, **{self._cache_kw: self.kv.cache}, **cascade)
+        real = real_entries(block.sizes, self.device) if self.packed else None  # None: the block runs dense
+        with packed_rows(real, batch, max(block.sizes)):
+            out = self.base(input_ids=block.ids, attention_mask=block.attention_mask, position_ids=block.position_ids,
+                            use_cache=True, **{self._cache_kw: self.kv.cache}, **cascade)
         hidden = out.last_hidden_state  # [batch, N+1, hidden]
-        real = torch.cat([hidden[b, : block.sizes[b]] for b in range(batch)])  # LM head on real entries only
-        outcomes = self._accept(trees, self.lm_head(real), block.sizes, rules or [STRICT] * batch)
+        entries = torch.cat([hidden[b, : block.sizes[b]] for b in range(batch)])  # LM head on real entries only
+        outcomes = self._accept(trees, self.lm_head(entries), block.sizes, rules or [STRICT] * batch)
         k_max = max(len(o.path) for o in outcomes)
         paths = torch.full((batch, k_max), -1, dtype=torch.long, device="cpu")  # host: compact moves what it needs
         for b, o in enumerate(outcomes):
