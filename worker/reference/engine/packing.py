@@ -119,6 +119,8 @@ def _gather(module: torch.nn.Module, args: tuple) -> tuple | None:
     p: _Packing | None = getattr(_local, "packing", None)
     if p is None:
         return None
+    if not args:  # called with keywords only: not a layout this module knows
+        return None
     x = args[0]  # [batch, width, hidden]
     if x.dim() != 3 or x.shape[0] != p.batch or x.shape[1] != p.width:
         return None
@@ -137,22 +139,39 @@ def _scatter(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.T
     return dense.reshape(p.batch, p.width, out.shape[-1])  # [batch, width, out]
 
 
+def _linear_like(module) -> bool:
+    """A row-wise matrix product: ``nn.Linear`` or a drop-in (``kernels.TunedLinear``)."""
+    return isinstance(module, torch.nn.Module) and hasattr(module, "in_features") and hasattr(module, "out_features")
+
+
+def _packable(layer) -> list[torch.nn.Module]:
+    """The modules of one decoder layer that may run on packed rows: a dense gated MLP
+    (``gate_proj``, ``up_proj``, ``down_proj``; not a mixture of experts, whose routing
+    reads the batch layout) and the attention's four projections; none if either is missing."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    gated = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if mlp is None or hasattr(mlp, "experts") or not all(_linear_like(m) for m in projections + gated):
+        return []
+    return [mlp, *projections]
+
+
 def install_packing(base: torch.nn.Module) -> int:
     """Hook the packed layers of every decoder layer of ``base`` (the model's
     ``model.model``: Llama family, ``layers[i].mlp`` and
-    ``layers[i].self_attn.{q,k,v,o}_proj``). Idempotent; returns how many
-    modules carry the hooks (0: a model of another shape, left dense)."""
-    if getattr(base, "_specctl_packing", None) is not None:
-        return base._specctl_packing
+    ``layers[i].self_attn.{q,k,v,o}_proj``); returns how many modules carry
+    the hooks (0: a model of another shape, left dense).
+
+    Idempotent, and it looks again each time: a layer swapped in since
+    (``kernels.install`` replaces linears by tuned ones) gets its hooks at
+    the next call; every :class:`~worker.reference.engine.engine.Engine`
+    makes one."""
     hooked = 0
     for layer in getattr(base, "layers", ()):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if mlp is None or any(m is None for m in projections):
-            continue
-        for module in (mlp, *projections):
-            module.register_forward_pre_hook(_gather)
-            module.register_forward_hook(_scatter)
+        for module in _packable(layer):
+            if not getattr(module, "_specctl_packing_hooks", False):
+                module.register_forward_pre_hook(_gather)
+                module.register_forward_hook(_scatter)
+                module._specctl_packing_hooks = True
             hooked += 1
-    base._specctl_packing = hooked
     return hooked
