@@ -62,24 +62,15 @@ def _tree(parents: list[int], rng: random.Random, vocab: int):
 
 
 def _shape_parents(text: str) -> list[int]:
-    """The parent list of a static shape (``"3"`` a chain, ``"2x4:5"`` a best-first tree)."""
+    """The parent list of a static shape (``"3"`` a chain, ``"2x4:5"`` a tree): grown best
+    first by the drafters' own builder, candidate ``r`` of every node scoring ``0.6 / (r + 1)``."""
     from policies.table import Decision
+    from policies.tree import grow_best_first
     from worker.reference.server import parse_static
 
     d = parse_static(text, Decision.off())
-    if d.width <= 1:
-        return list(range(-1, d.depth - 1))
-    # Full levels, level by level, within the node budget: the shape the engine benchmark's trees take.
-    parents, frontier = [], [-1]
-    for _ in range(d.depth):
-        nxt = []
-        for par in frontier:
-            for _ in range(d.width):
-                if len(parents) < d.max_nodes:
-                    parents.append(par)
-                    nxt.append(len(parents) - 1)
-        frontier = nxt
-    return parents
+    ranked = [(0.6 / (r + 1), None) for r in range(d.width)]
+    return grow_best_first(lambda level, payload: ranked, d.depth, d.width, d.max_nodes).parents
 
 
 def run_packing_bench(out_dir: str = "bench/results/packing", model_name: str = "smollm2-135m",
