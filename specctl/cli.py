@@ -152,6 +152,15 @@ def _bench(args: argparse.Namespace) -> int:
                                  shapes=tuple(args.packing_shapes.split(",")) if args.packing_shapes else DEFAULT_SHAPES,
                                  rounds=args.packing_rounds, threads=args.threads, kernels=args.kernels,
                                  plot=not args.no_plots)
+    if args.what == "engine-runs":
+        from bench.engine_runs import default_run_folders, run_engine_runs
+
+        folders = args.runs.split(",") if args.runs else default_run_folders()
+        try:
+            return run_engine_runs(folders, out_dir=args.out, plot=not args.no_plots)
+        except (OSError, ValueError) as err:
+            print(f"specctl bench engine-runs: {err}", file=sys.stderr)
+            return 2
     if args.what == "llamacpp":
         from bench.llamacpp import run_llamacpp_bench
         from policies.presets import PRESET_DIR
@@ -240,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("what", choices=["controller", "policies", "drift", "engine", "faults", "soak", "llamacpp",
-                                        "costfit", "typical", "fleet", "catchup", "packing"])
+                                        "costfit", "typical", "fleet", "catchup", "packing", "engine-runs"])
     bench.add_argument("--out", default="bench/results", help="output directory for JSON + PNG")
     bench.add_argument("--workers", type=int, default=None, help="simulated workers (default 256; fleet: 32)")
     bench.add_argument("--duration", type=float, default=10.0, help="seconds of measured load (fleet: per backend)")
@@ -290,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the drafting rows' static shapes DEPTH or DEPTHxWIDTH:NODES, comma-separated "
                          "(default bench.packing.DEFAULT_SHAPES: chains of 1 and 3, trees 2x4:5 and 4x2:6)")
     pk.add_argument("--packing-rounds", type=int, default=15, help="timed verify calls per engine and cell")
+    er = bench.add_argument_group("engine-runs", "options of `bench engine-runs` (several `bench engine` runs read "
+                                                 "together: each cell's warm ratio over them, runs under 1, sign "
+                                                 "test; also --out, --no-plots)")
+    er.add_argument("--runs", default="",
+                    help="run folders, comma-separated (default: every bench/results/engine-run* with a second pass)")
     cu = bench.add_argument_group("catchup", "options of `bench catchup` (EAGLE's catch-up window; also --heads, "
                                              "--model, --prompts, --max-new-tokens, --threads, --kernels, "
                                              "--no-plots; batch: the largest of --batches)")

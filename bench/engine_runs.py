@@ -1,0 +1,243 @@
+"""Several engine benchmark runs read together: is the warm controller
+behind the best static shape in a cell run after run, or only in one?
+
+One run of ``specctl bench engine`` gives each ratio (controller over
+max(best static, plain)) a 90 % interval 5-25 % wide (:mod:`bench.intervals`),
+so a controller 2 % behind looks tied in every cell of every run. Runs made
+on other days are other draws of the machine's noise, and a cell's ratios
+over them say more than any one: a controller tied with the shape it is set
+against falls under 1 in about half the runs of a cell, one that is behind
+in nearly all. :func:`cross_run` gathers each cell's warm (and cold) ratio
+over the runs, main pass and second pass apart, with the runs under 1 and
+the two-sided sign test's p-value (:func:`sign_test_p`), per cell and over
+all cells.
+
+Read the **second pass**: its shape was picked on another measurement (the
+main pass), so a controller tied with it sits at 1 in expectation. The main
+pass sets the controller against the best of seven noisy static runs picked
+on the very measurement, whose luck pulls its ratios under 1 even for a tie.
+
+The runs differ in more than noise (code, heads, kernel tables: each run's
+``commit`` where its folder records one, and the results index says what
+changed), so a pooled mean is a summary of the project's recent runs, not
+an estimate of one controller; the sign counts per cell are the evidence.
+Each cell also gets the warm-up's first-position acceptance less the
+evaluation prompts' (``acceptance_warmup_vs_eval``, top-ranked candidate)
+and, over all cells, its correlation with the second pass's ratio: a warm-up
+that accepts more than the timed prompts teaches the controller to draft
+more than they pay for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+PASSES = ("main", "second")
+TAGS = ("warm", "cold")
+
+
+@dataclass(frozen=True)
+class CellRun:
+    """One run's ratios in one cell (drafter, batch, passes): ``None`` where the run lacks it."""
+
+    run: str
+    drafter: str
+    batch: int
+    passes: int  # times over its run decoded the prompts at this batch (1 before stop 38: one batch draining)
+    ratios: dict[str, float | None]  # "warm-main", "warm-second", "cold-main", "cold-second"
+    acceptance_gap: float | None  # warm-up minus evaluation, first position, top-ranked candidate
+
+
+@dataclass
+class CellSummary:
+    """A cell's ratios over the runs: per ``tag-pass``, the values, runs under 1, sign test, mean."""
+
+    drafter: str
+    batch: int
+    passes: int
+    runs: list[str]
+    values: dict[str, list[float | None]] = field(default_factory=dict)
+    under: dict[str, int] = field(default_factory=dict)
+    counted: dict[str, int] = field(default_factory=dict)
+    sign_p: dict[str, float] = field(default_factory=dict)
+    mean: dict[str, float | None] = field(default_factory=dict)
+    acceptance_gaps: list[float | None] = field(default_factory=list)
+
+
+def sign_test_p(under: int, n: int) -> float:
+    """Two-sided exact sign test: the chance, if under and over 1 were equally
+    likely, of a split at least as uneven as ``under`` of ``n``.
+
+    >>> sign_test_p(5, 5), sign_test_p(35, 45) < 0.001, sign_test_p(2, 4)
+    (0.0625, True, 1.0)
+    """
+    if not 0 <= under <= n:
+        raise ValueError(f"under must be within 0..n, got under={under}, n={n}")
+    if n == 0:
+        return 1.0
+    k = min(under, n - under)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
+    return min(1.0, 2.0 * tail)
+
+
+def load_cells(folder: str | Path) -> list[CellRun]:
+    """The cells of one run folder's ``engine.json`` (its ``static_vs_controller``)."""
+    folder = Path(folder)
+    result = json.loads((folder / "engine.json").read_text())
+    if "static_vs_controller" not in result:
+        raise ValueError(f"{folder / 'engine.json'}: no static_vs_controller (not a run of the fair grid)")
+    gaps = {}
+    for a in result.get("acceptance_warmup_vs_eval", []):
+        warm, evaluation = a.get("warmup_top1_rates") or [None], a.get("eval_top1_rates") or [None]
+        if warm[0] is not None and evaluation[0] is not None:
+            gaps[(a["drafter"], a["batch"])] = round(warm[0] - evaluation[0], 4)
+    out = []
+    for row in result["static_vs_controller"]:
+        second = row.get("second_pass") or {}
+        ratios = {}
+        for tag in TAGS:
+            ratios[f"{tag}-main"] = row.get(f"{tag}_vs_best_static_or_plain")
+            ratios[f"{tag}-second"] = second.get(f"{tag}_vs_best_static_or_plain")
+        passes = int(result.get("passes", {}).get(str(row["batch"]), 1))
+        out.append(CellRun(folder.name, row["drafter"], int(row["batch"]), passes, ratios,
+                           gaps.get((row["drafter"], row["batch"]))))
+    return out
+
+
+def cross_run(cells: Sequence[CellRun]) -> tuple[list[CellSummary], dict]:
+    """Per cell, and over all cells, each ``tag-pass``'s ratios over the runs
+    (a tie at exactly 1 counts as neither under nor over, as the sign test
+    has it). A cell is a drafter, a batch size and the passes its runs
+    decoded there: a batch draining (one pass) and a batch kept full are
+    different loads, never pooled.
+
+    >>> runs = [CellRun(f"r{i}", "eagle", 8, 4, {"warm-second": v}, 0.1) for i, v in enumerate([0.96, 0.95, 0.99, 1.0])]
+    >>> cells, overall = cross_run(runs)
+    >>> cells[0].under["warm-second"], cells[0].counted["warm-second"], round(cells[0].mean["warm-second"], 3)
+    (3, 3, 0.975)
+    >>> overall["warm-second"]["under"], overall["warm-second"]["sign_p"]
+    (3, 0.25)
+    """
+    keys = [f"{tag}-{p}" for tag in TAGS for p in PASSES]
+    order = {"ngram": 0, "medusa": 1, "eagle": 2}
+    by_cell: dict[tuple[str, int, int], list[CellRun]] = {}
+    for c in cells:
+        by_cell.setdefault((c.drafter, c.batch, c.passes), []).append(c)
+    summaries = []
+    for (drafter, batch, passes), rs in sorted(by_cell.items(),
+                                               key=lambda kv: (kv[0][2], kv[0][1], order.get(kv[0][0], 9), kv[0][0])):
+        s = CellSummary(drafter, batch, passes, [r.run for r in rs], acceptance_gaps=[r.acceptance_gap for r in rs])
+        for key in keys:
+            vals = [r.ratios.get(key) for r in rs]
+            s.values[key] = vals
+            s.under[key], s.counted[key], s.sign_p[key], s.mean[key] = _signs(vals)
+        summaries.append(s)
+    overall = {}
+    for key in keys:
+        vals = [v for s in summaries for v in s.values[key]]
+        under, counted, p, mean = _signs(vals)
+        overall[key] = {"cells": sum(v is not None for v in vals), "under": under, "counted": counted,
+                        "sign_p": p, "mean": mean}
+        gaps = [(g, v) for s in summaries for g, v in zip(s.acceptance_gaps, s.values[key])
+                if g is not None and v is not None]
+        overall[key]["acceptance_gap_correlation"] = (
+            round(float(np.corrcoef([g for g, _ in gaps], [v for _, v in gaps])[0, 1]), 3)
+            if len(gaps) >= 3 and np.std([g for g, _ in gaps]) > 0 and np.std([v for _, v in gaps]) > 0 else None)
+    return summaries, overall
+
+
+def _signs(values: Sequence[float | None]) -> tuple[int, int, float, float | None]:
+    """(under 1, under or over 1, sign-test p, mean) of the values that are there."""
+    present = [v for v in values if v is not None]
+    under = sum(v < 1.0 for v in present)
+    counted = sum(v != 1.0 for v in present)
+    mean = round(float(np.mean(present)), 4) if present else None
+    return under, counted, sign_test_p(under, counted), mean
+
+
+def default_run_folders(results: str | Path = "bench/results") -> list[Path]:
+    """Every ``engine-run*`` folder under ``results`` whose run has a second pass, in run order."""
+    found = []
+    for folder in Path(results).glob("engine-run*"):
+        path = folder / "engine.json"
+        if not path.is_file():
+            continue
+        rows = json.loads(path.read_text()).get("static_vs_controller", [])
+        if any(r.get("second_pass") for r in rows):
+            found.append(folder)
+    return sorted(found, key=_run_number)
+
+
+def _run_number(folder: Path) -> tuple[int, str]:
+    tail = folder.name.removeprefix("engine-run").split("-")[0]
+    return (int(tail) if tail.isdigit() else 10 ** 6, folder.name)
+
+
+def run_engine_runs(folders: Sequence[str | Path], out_dir: str | Path = "bench/results", plot: bool = True) -> int:
+    """Read the run folders, print each cell's warm ratios over them and the
+    pooled counts, write ``engine-runs.json`` (and ``engine-runs.png``) in ``out_dir``."""
+    if len(folders) < 2:
+        raise ValueError(f"bench engine-runs needs two run folders or more, got {len(folders)}")
+    cells = [c for f in folders for c in load_cells(f)]
+    summaries, overall = cross_run(cells)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"runs": [Path(f).name for f in folders], "cells": [asdict(s) for s in summaries], "overall": overall}
+    (out / "engine-runs.json").write_text(json.dumps(result, indent=1))
+    _print(summaries, overall, [Path(f).name for f in folders])
+    if plot:
+        _plot(summaries, out / "engine-runs.png", len(folders))
+    print(f"wrote {out / 'engine-runs.json'}" + (f" and {out / 'engine-runs.png'}" if plot else ""))
+    return 0
+
+
+def _print(summaries: list[CellSummary], overall: dict, runs: list[str]) -> None:
+    print(f"warm controller / max(best static, plain) over {len(runs)} runs ({', '.join(runs)})")
+    print(f"{'drafter':8} {'batch':>5} {'x':>2}  {'pass':6} {'under 1':>8} {'sign p':>7} {'mean':>6}  per run "
+          f"(x: passes over the prompts)")
+    for s in summaries:
+        for p in PASSES:
+            key = f"warm-{p}"
+            vals = " ".join("-" if v is None else f"{v:.3f}" for v in s.values[key])
+            mean = "-" if s.mean[key] is None else f"{s.mean[key]:.3f}"
+            print(f"{s.drafter:8} {s.batch:>5} {s.passes:>2}  {p:6} {s.under[key]:>3}/{s.counted[key]:<4} "
+                  f"{s.sign_p[key]:>7.3f} {mean:>6}  {vals}")
+    for key, o in overall.items():
+        mean = "-" if o["mean"] is None else f"{o['mean']:.3f}"
+        print(f"all cells, {key}: under 1 in {o['under']} of {o['counted']} (sign p {o['sign_p']:.2g}), mean {mean}, "
+              f"correlation with warm-up minus evaluation acceptance {o['acceptance_gap_correlation']}")
+
+
+def _plot(summaries: list[CellSummary], path: Path, n_runs: int) -> None:
+    """One dot per run and cell (warm controller, both passes), the cell's mean as a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.0 * len(summaries)), 4.2))
+    for i, (p, color) in enumerate((("main", "#224477"), ("second", "#aa5522"))):
+        key = f"warm-{p}"
+        for x, s in enumerate(summaries):
+            vals = [v for v in s.values[key] if v is not None]
+            if not vals:
+                continue
+            xs = x + (i - 0.5) * 0.3 + np.linspace(-0.08, 0.08, len(vals))
+            ax.plot(xs, vals, "o", color=color, ms=3, alpha=0.7, label=f"warm, {p} pass" if x == 0 else None)
+            ax.hlines(np.mean(vals), x + (i - 0.5) * 0.3 - 0.12, x + (i - 0.5) * 0.3 + 0.12, color=color, lw=2)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(summaries)))
+    ax.set_xticklabels([f"{s.drafter}\nb{s.batch}" + (f" x{s.passes}" if s.passes > 1 else "") for s in summaries],
+                       fontsize=8)
+    ax.set_ylabel("warm controller / max(best static, plain)", fontsize=8)
+    ax.set_title(f"The warm controller over {n_runs} engine runs: one dot per run, the bar the mean", fontsize=9)
+    ax.legend(fontsize=7, loc="lower center", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
