@@ -4,11 +4,7 @@ at batch 1, 4 and 8.
 
 Every run decodes the same held-out prompts (mixed chat / code / math /
 summarisation, not used to train the heads) greedily to ``max_new_tokens``
-through ``worker.reference.engine.Engine`` with ``max_batch = batch``, each
-prompt ``passes`` times over at batch ``batch`` (:func:`load_passes`: by
-default half the batch, at least once), so the engine keeps ``batch``
-requests in flight until the last pass drains (the load a batch size stands
-for in serving, and in the controller's plan):
+through ``worker.reference.engine.Engine`` with ``max_batch = batch``:
 
 - ``none`` / ``plain``: no drafter (its outputs are the reference for
   ``lossless`` and the oracle's truth) and ``plain-repeat`` (the same again,
@@ -379,30 +375,6 @@ async def _plans_applied(running, worker_ids: list[str]) -> bool:
     return all(w not in workers or not workers[w].plans.pending for w in worker_ids)
 
 
-def load_passes(batch: int, passes: int | None = None) -> int:
-    """How many times over a run at ``batch`` decodes its prompts: ``passes``
-    when given, else half the batch (at least once).
-
-    Why: eight prompts at batch 8 are one batch draining, not a batch of 8.
-    Every plain row finishes on the same step; rows that speculate finish
-    apart, and the last steps run a few rows at the cost per row of a small
-    batch, where a full queue would have refilled them. A static EAGLE chain
-    of one token at batch 8 measured 0.97-0.98 of plain on eight prompts
-    (runs K-Q) and 1.06 on 31 held-out prompts with the batch refilled (one
-    lockstep beside plain, stop 38), and the controller prices the batch it
-    runs as a steady one. With half the batch in passes the final drain is
-    about a quarter of the run at batch 8 with the default eight prompts.
-
-    >>> [load_passes(b) for b in (1, 2, 4, 8)], load_passes(8, 1)
-    ([1, 1, 2, 4], 1)
-    """
-    if passes is not None:
-        if passes < 1:
-            raise ValueError(f"passes must be at least 1, got {passes}")
-        return passes
-    return max(1, batch // 2)
-
-
 def eval_prompts(n: int, held_out: float = 0.1):
     """``n`` held-out prompts of the shipped ``all`` set, domains interleaved
     (the same crc32 split as ``DistillSet.split``). The first ``n`` of
@@ -610,14 +582,12 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True,
                      warmup_prompts: int = 8, kernels: str = "tuned", calibrate: bool = True,
                      trees=DEFAULT_TREES, controller_overrides: dict | None = None, confirm: bool = True,
-                     verify_layout: str = "packed", passes: int | None = None) -> int:
+                     verify_layout: str = "packed") -> int:
     """The benchmark; see the module docstring. ``warmup_prompts`` = 0: no warm
     controller (the cold one only). ``controller_overrides``: controller config
     sections for both controllers (:func:`engine_controller_config`; recorded
     in the JSON as ``controller_config``). ``confirm``: the second pass, each
-    drafter's best static shape against fresh controllers (module docstring).
-    ``passes``: how many times over each run, warm-ups included, decodes its
-    prompts (``None``: :func:`load_passes`'s default for each batch size)."""
+    drafter's best static shape against fresh controllers (module docstring)."""
     from controller.background import BackgroundController
     from worker.reference.drafters.oracle import OracleDrafter
     from worker.reference.engine.engine import Engine, static_decide
@@ -692,8 +662,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
             (_, cold_agents), (_, warm_agents) = started
             for d, agent in warm_agents.items():  # untimed, as the main warm controller's warm-up
                 with clocks[id(agent)].live():
-                    Engine(model, built[d], agent.decide, observer=agent, max_batch=batch).generate(
-                        warm_ids * passes_at[batch], max_new_tokens)
+                    Engine(model, built[d], agent.decide, observer=agent, max_batch=batch).generate(warm_ids,
+                                                                                                  max_new_tokens)
             again = [("none", f"{CONFIRM}plain", None, None, None)]
             for d in learned:
                 if picked.get(d):
@@ -702,9 +672,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                     again.append((d, f"{CONFIRM}{policy}-{tag}", built[d], agents[d].decide, agents[d]))
             again.append(("none", f"{CONFIRM}plain-repeat", None, None, None))
             syncs.append(ControlSync(started))
-            n = passes_at[batch]
-            _lockstep(model, Engine, again, (), ids * n, reference * n, batch, max_new_tokens, tallies, clocks,
-                      syncs[-1])
+            _lockstep(model, Engine, again, (), ids, reference, batch, max_new_tokens, tallies, clocks, syncs[-1])
             for _, agents in started:  # the recordings hold the last requests too
                 _settle(agents)
         finally:
@@ -717,7 +685,6 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     # oracle's truth for every batch size.
     reference = Engine(model, max_batch=len(ids)).generate(ids, max_new_tokens)
     truth = {tuple(p): o for p, o in zip(ids, reference)}
-    passes_at = {b: load_passes(b, passes) for b in batches}  # each run's prompts, this many times over
     tallies: dict[tuple[str, str, int], _Tally] = {}
     clocks: dict[int, RunClock] = {}  # id(agent) -> its controller's clock
     syncs: list[ControlSync] = []  # one per lockstep with controllers
@@ -737,7 +704,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                 start = _override_counts(agent)
                 with clocks[id(agent)].live():
                     engine = Engine(model, built[d], agent.decide, observer=_Tee(agent, counts), max_batch=batch)
-                    engine.generate(warm_ids * passes_at[batch], max_new_tokens)
+                    engine.generate(warm_ids, max_new_tokens)
                 end = _override_counts(agent)
                 warmup_overrides.append({"drafter": d, "batch": batch, "row_steps": engine.stats.row_steps,
                                          "spec_row_steps": engine.stats.spec_row_steps,
@@ -768,9 +735,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                 hf_depths = (0, *depths) if batch == 1 else ()
                 syncs.append(ControlSync([(c, a) for c, a in ((warm_ctl, warm_agents), (cold_ctl, cold_agents))
                                           if c is not None]))
-                n = passes_at[batch]
-                _lockstep(model, Engine, specs, hf_depths, ids * n, reference * n, batch, max_new_tokens, tallies,
-                          clocks, syncs[-1])
+                _lockstep(model, Engine, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies, clocks,
+                          syncs[-1])
                 if confirm and controlled and warm_ids:
                     picked = {d: best_static_name(tallies, d, batch, basis) for d in learned}
                     second_pass(picked, batch)
@@ -811,14 +777,11 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     summary = static_vs_controller(runs, policy, series, engine_var)
     acceptance = acceptance_warmup_vs_eval(
         warmup_acceptance, eval_acceptance,
-        f"{policy}-warm warm-up ({len(warm_ids)} prompts, `passes` times over, untimed, the controller's shapes)"
-        if warm_agents else "")
+        f"{policy}-warm warm-up ({len(warm_ids)} prompts, untimed, the controller's shapes)" if warm_agents else "")
     result = {
         "model": model_name,
         "prompts": [p.id for p in items],
         "max_new_tokens": max_new_tokens,
-        # batch size -> how many times over each run there decoded its prompts (load_passes), warm-ups included
-        "passes": {str(b): n for b, n in passes_at.items()},
         "threads": torch.get_num_threads(),
         "device": str(device),
         "speedup_basis": basis,

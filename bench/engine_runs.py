@@ -10,7 +10,10 @@ against falls under 1 in about half the runs of a cell, one that is behind
 in nearly all. :func:`cross_run` gathers each cell's warm (and cold) ratio
 over the runs, main pass and second pass apart, with the runs under 1 and
 the two-sided sign test's p-value (:func:`sign_test_p`), per cell and over
-all cells.
+all cells. A cell is a drafter, a batch size and the load: run R (stop 38)
+decoded its prompts four times over at batch 8 and twice at batch 4 to keep
+the batch full (``passes`` in its ``engine.json``), and is never pooled
+with the runs of one batch draining there.
 
 Read the **second pass**: its shape was picked on another measurement (the
 main pass), so a controller tied with it sits at 1 in expectation. The main
@@ -49,7 +52,9 @@ class CellRun:
     run: str
     drafter: str
     batch: int
-    passes: int  # times over its run decoded the prompts at this batch (1 before stop 38: one batch draining)
+    # times over its runs decoded the prompts at this batch: 1 (one batch draining) but in run R, an
+    # experiment of stop 38 that kept the batch full (``passes`` in its engine.json)
+    passes: int
     ratios: dict[str, float | None]  # "warm-main", "warm-second", "cold-main", "cold-second"
     acceptance_gap: float | None  # warm-up minus evaluation, first position, top-ranked candidate
 
@@ -114,8 +119,8 @@ def cross_run(cells: Sequence[CellRun]) -> tuple[list[CellSummary], dict]:
     """Per cell, and over all cells, each ``tag-pass``'s ratios over the runs
     (a tie at exactly 1 counts as neither under nor over, as the sign test
     has it). A cell is a drafter, a batch size and the passes its runs
-    decoded there: a batch draining (one pass) and a batch kept full are
-    different loads, never pooled.
+    decoded there: a batch draining (one pass) and a batch kept full (run
+    R's ``passes``) are different loads, never pooled.
 
     >>> runs = [CellRun(f"r{i}", "eagle", 8, 4, {"warm-second": v}, 0.1) for i, v in enumerate([0.96, 0.95, 0.99, 1.0])]
     >>> cells, overall = cross_run(runs)

@@ -347,10 +347,6 @@ def add_bench_engine_options(bench) -> None:
     g.add_argument("--warmup-prompts", type=int, default=8,
                    help="held-out prompts outside the evaluation set that the warm controller decodes untimed "
                         "before each batch size (default 8; 0 = the cold controller only)")
-    g.add_argument("--passes", default="auto",
-                   help="times over each run (warm-ups too) decodes its prompts at a batch size, so the batch stays "
-                        "full until the last pass drains: a count, or 'auto' = half the batch, at least once "
-                        "(bench.engine.load_passes; 1 = the runs before stop 38, one batch draining)")
 
 
 def bench_engine(args: argparse.Namespace) -> int:
@@ -361,19 +357,13 @@ def bench_engine(args: argparse.Namespace) -> int:
     overrides = _controller_overrides(getattr(args, "config", None))
     if overrides is None:
         return 2
-    passes = None
-    if args.passes != "auto":
-        if not args.passes.isdigit() or int(args.passes) < 1:
-            print(f"specctl bench engine: --passes {args.passes!r}: a count of 1 or more, or 'auto'", file=sys.stderr)
-            return 2
-        passes = int(args.passes)
     return run_engine_bench(
         out_dir=args.out, model_name=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
         prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         depths=tuple(int(d) for d in args.depths.split(",")), drafters=tuple(args.drafters.split(",")),
         policy=args.engine_policy, threads=args.threads, heads_dir=args.heads, warmup_prompts=args.warmup_prompts,
         kernels=args.kernels, trees=_tree_shapes(args.trees), controller_overrides=overrides, confirm=args.confirm,
-        verify_layout=args.verify_layout, passes=passes)
+        verify_layout=args.verify_layout)
 
 
 def _controller_overrides(path: str | None) -> dict | None:

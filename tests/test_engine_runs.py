@@ -10,7 +10,7 @@ from specctl.cli import main
 
 def _write_run(folder, warm_second, warm_main=1.0, gap=0.05, second_pass=True, passes=None):
     """An engine.json with one cell per (drafter, batch) of ``warm_second``: {(drafter, batch): ratio};
-    ``passes``: its ``passes`` key (batch -> passes), absent by default as in the runs before stop 38."""
+    ``passes``: its ``passes`` key (batch -> passes: run R's), absent by default as in the other runs."""
     folder.mkdir(parents=True)
     rows, acceptance = [], []
     for (drafter, batch), ratio in warm_second.items():
