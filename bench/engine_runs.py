@@ -20,9 +20,8 @@ main pass), so a controller tied with it sits at 1 in expectation. The main
 pass sets the controller against the best of seven noisy static runs picked
 on the very measurement, whose luck pulls its ratios under 1 even for a tie.
 
-The runs differ in more than noise (code, heads, kernel tables: each run's
-``commit`` where its folder records one, and the results index says what
-changed), so a pooled mean is a summary of the project's recent runs, not
+The runs differ in more than noise (code, heads, kernel tables: the
+results index gives each run's commit and what changed), so a pooled mean is a summary of the project's recent runs, not
 an estimate of one controller; the sign counts per cell are the evidence.
 Each cell also gets the warm-up's first-position acceptance less the
 evaluation prompts' (``acceptance_warmup_vs_eval``, top-ranked candidate)
@@ -59,19 +58,36 @@ class CellRun:
     acceptance_gap: float | None  # warm-up minus evaluation, first position, top-ranked candidate
 
 
+@dataclass(frozen=True)
+class Signs:
+    """Ratios read for their side of 1: how many are under, how many are off
+    1 either way (a tie at exactly 1 is no sign), the two-sided sign test's
+    p-value (:func:`sign_test_p`) and the mean of all that are there."""
+
+    under: int
+    counted: int
+    sign_p: float
+    mean: float | None
+
+    @classmethod
+    def of(cls, values: Sequence[float | None]) -> "Signs":
+        present = [v for v in values if v is not None]
+        under = sum(v < 1.0 for v in present)
+        counted = sum(v != 1.0 for v in present)
+        mean = round(float(np.mean(present)), 4) if present else None
+        return cls(under, counted, sign_test_p(under, counted), mean)
+
+
 @dataclass
 class CellSummary:
-    """A cell's ratios over the runs: per ``tag-pass``, the values, runs under 1, sign test, mean."""
+    """A cell's ratios over the runs, per ``tag-pass``: the values, and their :class:`Signs`."""
 
     drafter: str
     batch: int
     passes: int
     runs: list[str]
     values: dict[str, list[float | None]] = field(default_factory=dict)
-    under: dict[str, int] = field(default_factory=dict)
-    counted: dict[str, int] = field(default_factory=dict)
-    sign_p: dict[str, float] = field(default_factory=dict)
-    mean: dict[str, float | None] = field(default_factory=dict)
+    signs: dict[str, Signs] = field(default_factory=dict)
     acceptance_gaps: list[float | None] = field(default_factory=list)
 
 
@@ -124,8 +140,8 @@ def cross_run(cells: Sequence[CellRun]) -> tuple[list[CellSummary], dict]:
 
     >>> runs = [CellRun(f"r{i}", "eagle", 8, 4, {"warm-second": v}, 0.1) for i, v in enumerate([0.96, 0.95, 0.99, 1.0])]
     >>> cells, overall = cross_run(runs)
-    >>> cells[0].under["warm-second"], cells[0].counted["warm-second"], round(cells[0].mean["warm-second"], 3)
-    (3, 3, 0.975)
+    >>> cells[0].signs["warm-second"]
+    Signs(under=3, counted=3, sign_p=0.25, mean=0.975)
     >>> overall["warm-second"]["under"], overall["warm-second"]["sign_p"]
     (3, 0.25)
     """
@@ -139,31 +155,19 @@ def cross_run(cells: Sequence[CellRun]) -> tuple[list[CellSummary], dict]:
                                                key=lambda kv: (kv[0][2], kv[0][1], order.get(kv[0][0], 9), kv[0][0])):
         s = CellSummary(drafter, batch, passes, [r.run for r in rs], acceptance_gaps=[r.acceptance_gap for r in rs])
         for key in keys:
-            vals = [r.ratios.get(key) for r in rs]
-            s.values[key] = vals
-            s.under[key], s.counted[key], s.sign_p[key], s.mean[key] = _signs(vals)
+            s.values[key] = [r.ratios.get(key) for r in rs]
+            s.signs[key] = Signs.of(s.values[key])
         summaries.append(s)
     overall = {}
     for key in keys:
         vals = [v for s in summaries for v in s.values[key]]
-        under, counted, p, mean = _signs(vals)
-        overall[key] = {"cells": sum(v is not None for v in vals), "under": under, "counted": counted,
-                        "sign_p": p, "mean": mean}
+        overall[key] = {"cells": sum(v is not None for v in vals), **asdict(Signs.of(vals))}
         gaps = [(g, v) for s in summaries for g, v in zip(s.acceptance_gaps, s.values[key])
                 if g is not None and v is not None]
         overall[key]["acceptance_gap_correlation"] = (
             round(float(np.corrcoef([g for g, _ in gaps], [v for _, v in gaps])[0, 1]), 3)
             if len(gaps) >= 3 and np.std([g for g, _ in gaps]) > 0 and np.std([v for _, v in gaps]) > 0 else None)
     return summaries, overall
-
-
-def _signs(values: Sequence[float | None]) -> tuple[int, int, float, float | None]:
-    """(under 1, under or over 1, sign-test p, mean) of the values that are there."""
-    present = [v for v in values if v is not None]
-    under = sum(v < 1.0 for v in present)
-    counted = sum(v != 1.0 for v in present)
-    mean = round(float(np.mean(present)), 4) if present else None
-    return under, counted, sign_test_p(under, counted), mean
 
 
 def default_run_folders(results: str | Path = "bench/results") -> list[Path]:
@@ -210,9 +214,10 @@ def _print(summaries: list[CellSummary], overall: dict, runs: list[str]) -> None
         for p in PASSES:
             key = f"warm-{p}"
             vals = " ".join("-" if v is None else f"{v:.3f}" for v in s.values[key])
-            mean = "-" if s.mean[key] is None else f"{s.mean[key]:.3f}"
-            print(f"{s.drafter:8} {s.batch:>5} {s.passes:>2}  {p:6} {s.under[key]:>3}/{s.counted[key]:<4} "
-                  f"{s.sign_p[key]:>7.3f} {mean:>6}  {vals}")
+            sg = s.signs[key]
+            mean = "-" if sg.mean is None else f"{sg.mean:.3f}"
+            print(f"{s.drafter:8} {s.batch:>5} {s.passes:>2}  {p:6} {sg.under:>3}/{sg.counted:<4} "
+                  f"{sg.sign_p:>7.3f} {mean:>6}  {vals}")
     for key, o in overall.items():
         mean = "-" if o["mean"] is None else f"{o['mean']:.3f}"
         print(f"all cells, {key}: under 1 in {o['under']} of {o['counted']} (sign p {o['sign_p']:.2g}), mean {mean}, "

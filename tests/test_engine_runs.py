@@ -52,12 +52,13 @@ def test_a_cell_behind_in_every_run_is_told_from_one_that_is_tied(tmp_path):
     by = {(s.drafter, s.batch): s for s in summaries}
     assert [(s.drafter, s.batch) for s in summaries] == [("ngram", 1), ("medusa", 4), ("eagle", 8)]  # batch, drafter
     eagle = by[("eagle", 8)]
-    assert (eagle.under["warm-second"], eagle.counted["warm-second"]) == (5, 5)
-    assert eagle.sign_p["warm-second"] == pytest.approx(1 / 16)
-    assert eagle.mean["warm-second"] == pytest.approx(sum(behind) / 5, abs=1e-4)
+    signs = eagle.signs["warm-second"]
+    assert (signs.under, signs.counted) == (5, 5)
+    assert signs.sign_p == pytest.approx(1 / 16)
+    assert signs.mean == pytest.approx(sum(behind) / 5, abs=1e-4)
     ngram = by[("ngram", 1)]
-    assert (ngram.under["warm-second"], ngram.counted["warm-second"]) == (2, 4)  # the run at exactly 1 is no sign
-    assert ngram.sign_p["warm-second"] == 1.0
+    signs = ngram.signs["warm-second"]
+    assert (signs.under, signs.counted, signs.sign_p) == (2, 4, 1.0)  # the run at exactly 1 is no sign
     assert by[("medusa", 4)].runs == ["engine-run7", "engine-run8", "engine-run10", "engine-run11"]
     assert eagle.acceptance_gaps == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08])
     # the main pass's ratios are all exactly 1 here: no signs at all
