@@ -310,6 +310,20 @@ class RunClock:
 DEFAULT_TREES = ((2, 4, 5), (3, 2, 5), (4, 2, 6), (4, 4, 12))
 DEFAULT_DEPTHS = (1, 2, 4)
 WARMUP_SOURCE = "held-out prompts of the shipped 'all' set that are not evaluation prompts"
+# Where the warm controller decodes its warm-up prompts (``run_engine_bench(warmup=...)``).
+WARMUPS = ("crowd", "alone", "both")
+# What stands in for another controller's run in a warm-up lockstep: the agents' fallback shape.
+STAND_IN = Decision.chain(2)
+
+
+def _warm_controllers(warmup: str) -> dict[str, str]:
+    """The warm controllers of a ``warmup`` setting: tag -> where it warms up.
+
+    >>> _warm_controllers("both")
+    {'warm': 'crowd', 'warm-alone': 'alone'}
+    """
+    return {"crowd": {"warm": "crowd"}, "alone": {"warm": "alone"},
+            "both": {"warm": "crowd", "warm-alone": "alone"}}[warmup]
 
 
 class ControlSync:
@@ -502,6 +516,11 @@ class _Tee:
     def __init__(self, agent, counts: PositionAcceptance) -> None:
         self.agent, self.counts = agent, counts
 
+    @property
+    def stats(self):
+        """The agent's counters (its overrides by reason: ``_override_counts``)."""
+        return self.agent.stats
+
     def observe(self, step) -> None:
         self.counts.observe(step)
         self.agent.observe(step)
@@ -582,9 +601,14 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True,
                      warmup_prompts: int = 8, kernels: str = "tuned", calibrate: bool = True,
                      trees=DEFAULT_TREES, controller_overrides: dict | None = None, confirm: bool = True,
-                     verify_layout: str = "packed") -> int:
+                     verify_layout: str = "packed", warmup: str = "crowd") -> int:
     """The benchmark; see the module docstring. ``warmup_prompts`` = 0: no warm
-    controller (the cold one only). ``controller_overrides``: controller config
+    controller (the cold one only). ``warmup``: where the warm controller decodes
+    its warm-up prompts (:data:`WARMUPS`): ``crowd``, in a lockstep of every
+    configuration of the timed one (the conditions it is timed in); ``alone``,
+    by itself (runs before stop 39); ``both``, a second warm controller
+    (``-warm-alone``) warmed alone beside the crowd-warmed one, in every
+    lockstep (a paired comparison). ``controller_overrides``: controller config
     sections for both controllers (:func:`engine_controller_config`; recorded
     in the JSON as ``controller_config``). ``confirm``: the second pass, each
     drafter's best static shape against fresh controllers (module docstring)."""
@@ -595,6 +619,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     from worker.reference.prompts import chat_ids
     from worker.reference.server import build_drafter, engine_layout, make_hello
 
+    if warmup not in WARMUPS:
+        raise ValueError(f"warmup {warmup!r}: one of {', '.join(WARMUPS)}")
+    warm_how = _warm_controllers(warmup)
     set_threads(threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -638,7 +665,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                 hello = make_hello(f"bench-{d}{suffix}", model_name, model, built[d], max(batches), calibration,
                                    layout)
                 # Telemetry leaves every 5 ms, so ControlSync's wait at the end of a round stays short.
-                options = AgentOptions(fallback=Decision.chain(2), flush_interval_s=0.005)
+                options = AgentOptions(fallback=STAND_IN, flush_interval_s=0.005)
                 agents[d] = SpeculationAgent(hello, ctl.address, options).start()
                 clocks[id(agents[d])] = clock
         except BaseException:
@@ -654,93 +681,152 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     def second_pass(picked: dict[str, str], batch: int) -> None:
         """The shapes picked in hindsight against fresh controllers, cold and warmed at this batch
         only, in a lockstep of their own (module docstring)."""
-        started = []
+        started: dict[str, tuple] = {}
         try:
-            for tag in ("cold", "warm"):
-                started.append(start_controller(f"engine-telemetry-{CONFIRM}{tag}-b{batch}.jsonl.gz",
-                                                f"-{CONFIRM}{tag}-b{batch}"))
-            (_, cold_agents), (_, warm_agents) = started
-            for d, agent in warm_agents.items():  # untimed, as the main warm controller's warm-up
-                with clocks[id(agent)].live():
-                    Engine(model, built[d], agent.decide, observer=agent, max_batch=batch).generate(warm_ids,
-                                                                                                  max_new_tokens)
-            again = [("none", f"{CONFIRM}plain", None, None, None)]
-            for d in learned:
-                if picked.get(d):
-                    again.append((d, CONFIRM + picked[d], built[d], static_decide(dict(shapes[d])[picked[d]]), None))
-                for tag, agents in (("cold", cold_agents), ("warm", warm_agents)):
-                    again.append((d, f"{CONFIRM}{policy}-{tag}", built[d], agents[d].decide, agents[d]))
-            again.append(("none", f"{CONFIRM}plain-repeat", None, None, None))
-            syncs.append(ControlSync(started))
-            _lockstep(model, Engine, again, (), ids, reference, batch, max_new_tokens, tallies, clocks, syncs[-1])
-            for _, agents in started:  # the recordings hold the last requests too
+            for tag in ("cold", *warm_how):
+                started[tag] = start_controller(f"engine-telemetry-{CONFIRM}{tag}-b{batch}.jsonl.gz",
+                                                f"-{CONFIRM}{tag}-b{batch}")
+
+            def specs(slot, timed=True):
+                again = [("none", f"{CONFIRM}plain", None, None, None)]
+                for d in learned:
+                    if picked.get(d):
+                        again.append((d, CONFIRM + picked[d], built[d], static_decide(dict(shapes[d])[picked[d]]),
+                                      None))
+                    again += [(d, f"{CONFIRM}{policy}-{tag}", built[d], *slot(tag, d)) for tag in started]
+                return again + [("none", f"{CONFIRM}plain-repeat", None, None, None)]
+
+            # untimed, as the main warm controllers' warm-ups
+            warmup_overrides.extend(warm_up(started, batch, specs, CONFIRM))
+            syncs.append(ControlSync(started.values()))
+            _lockstep(model, Engine, specs(lambda tag, d: (started[tag][1][d].decide, started[tag][1][d])), (), ids,
+                      reference, batch, max_new_tokens, tallies, clocks, syncs[-1])
+            for _, agents in started.values():  # the recordings hold the last requests too
                 _settle(agents)
         finally:
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-            for ctl, agents in started:
+            for ctl, agents in started.values():
                 stop_controller(ctl, agents)
+    def warm_up(controllers: dict, batch: int, make_specs, prefix: str = "", hf_depths=(),
+                counts: dict | None = None) -> list[dict]:
+        """Each warm controller of ``controllers`` (tag -> (controller, agents)) decodes the warm-up
+        prompts untimed, the way ``warm_how`` says: ``alone``, each agent's engine by itself on the
+        controller's live clock; ``crowd``, in a lockstep of ``make_specs(slot, timed=False)`` on
+        the warm-up prompts with transformers' peers of ``hf_depths`` (the timed lockstep's
+        configurations; ``slot(tag, drafter)`` gives a controlled run's decide and observer, its
+        policy is ``prefix + policy-tag``), where every controlled run of another controller is
+        stood in for by a static chain (``STAND_IN``): those controllers hear nothing.
+        ``counts``: drafter -> PositionAcceptance of the ``warm`` controller's warm-up.
+        Returns one row per drafter and warm controller: its row-steps, drafting and overrides."""
+        rows = []
+        for tag, (ctl, agents) in controllers.items():
+            if warm_how.get(tag) != "alone":
+                continue
+            for d, agent in agents.items():
+                start = _override_counts(agent)
+                observer = _Tee(agent, counts[d]) if counts is not None and tag == "warm" else agent
+                with clocks[id(agent)].live():
+                    engine = Engine(model, built[d], agent.decide, observer=observer, max_batch=batch)
+                    engine.generate(warm_ids, max_new_tokens)
+                end = _override_counts(agent)
+                rows.append({"drafter": d, "batch": batch, "pass": "second" if prefix else "main", "controller": tag,
+                             "warmup": "alone",
+                             "row_steps": engine.stats.row_steps, "spec_row_steps": engine.stats.spec_row_steps,
+                             "override_row_steps": dict(end[0] - start[0]),
+                             "override_draft_asks": dict(end[1] - start[1]), "lossless": True})
+        crowd = {tag: c for tag, c in controllers.items() if warm_how.get(tag) == "crowd"}
+        if not crowd:
+            return rows
+        tees = {}
+        for tag, (_, agents) in crowd.items():
+            for d, agent in agents.items():
+                tees[(tag, d)] = _Tee(agent, counts[d] if counts is not None and tag == "warm"
+                                      else PositionAcceptance())
+                clocks[id(tees[(tag, d)])] = clocks[id(agent)]
+
+        def slot(tag, d):
+            if tag in crowd:
+                return crowd[tag][1][d].decide, tees[(tag, d)]
+            return static_decide(STAND_IN), None
+
+        seen: dict[tuple[str, str, int], _Tally] = {}
+        syncs.append(ControlSync(crowd.values()))
+        _lockstep(model, Engine, make_specs(slot, timed=False), hf_depths, warm_ids, warm_reference, batch,
+                  max_new_tokens, seen, clocks, syncs[-1], seed=f"warm-up {prefix}{batch}",
+                  what=f"{prefix}warm-up, batch {batch}")
+        for tag, (_, agents) in crowd.items():
+            for d in agents:
+                t = seen[(d, f"{prefix}{policy}-{tag}", batch)]
+                rows.append({"drafter": d, "batch": batch, "pass": "second" if prefix else "main", "controller": tag,
+                             "warmup": "crowd",
+                             "row_steps": t.row_steps, "spec_row_steps": t.spec_row_steps,
+                             "override_row_steps": dict(t.overrides), "override_draft_asks": dict(t.override_draft_asks),
+                             "lossless": all(x.lossless for x in seen.values()), "crowd": len(seen)})
+        return rows
 
     # Greedy output does not depend on the configuration (every run is
     # checked against this), so one untimed pass gives the reference and the
     # oracle's truth for every batch size.
     reference = Engine(model, max_batch=len(ids)).generate(ids, max_new_tokens)
     truth = {tuple(p): o for p, o in zip(ids, reference)}
+    # The warm-up prompts' own: a warm-up in the crowd checks its runs and replays its oracle too.
+    warm_reference = Engine(model, max_batch=len(warm_ids)).generate(warm_ids, max_new_tokens) if warm_ids else []
+    truth.update({tuple(p): o for p, o in zip(warm_ids, warm_reference)})
     tallies: dict[tuple[str, str, int], _Tally] = {}
     clocks: dict[int, RunClock] = {}  # id(agent) -> its controller's clock
     syncs: list[ControlSync] = []  # one per lockstep with controllers
     fitted: dict = {}
     warmup_acceptance: dict[tuple[str, int], PositionAcceptance] = {}
-    warmup_overrides: list[dict] = []  # the warm controller's overrides during each warm-up, by reason
+    warmup_overrides: list[dict] = []  # the warm controllers' overrides during each warm-up, by reason
     eval_shape = {d: eval_acceptance_shape(shapes[d]) for d in learned}
     eval_acceptance: dict[tuple[str, int], tuple[str, PositionAcceptance]] = {}
-    warm_ctl, warm_agents = (start_controller("engine-telemetry.jsonl.gz", "")
-                             if controlled and warm_ids else (None, {}))
+    warm: dict[str, tuple] = {}  # tag -> (controller, agents): one for the whole benchmark each
     try:
+        if controlled and warm_ids:
+            for tag in warm_how:
+                warm[tag] = start_controller("engine-telemetry.jsonl.gz" if tag == "warm"
+                                             else f"engine-telemetry-{tag}.jsonl.gz", "" if tag == "warm" else f"-{tag}")
         for batch in batches:
-            # The warm controller sees the warm-up prompts (untimed), then its own timed run; nothing else.
-            # Its acceptance there is counted on the way (``acceptance_warmup_vs_eval``).
-            for d, agent in warm_agents.items():
-                counts = warmup_acceptance[(d, batch)] = PositionAcceptance()
-                start = _override_counts(agent)
-                with clocks[id(agent)].live():
-                    engine = Engine(model, built[d], agent.decide, observer=_Tee(agent, counts), max_batch=batch)
-                    engine.generate(warm_ids, max_new_tokens)
-                end = _override_counts(agent)
-                warmup_overrides.append({"drafter": d, "batch": batch, "row_steps": engine.stats.row_steps,
-                                         "spec_row_steps": engine.stats.spec_row_steps,
-                                         "override_row_steps": dict(end[0] - start[0]),
-                                         "override_draft_asks": dict(end[1] - start[1])})
             # The cold one: a controller of its own for this batch size, no traffic before the timed run.
             cold_ctl, cold_agents = (start_controller(f"engine-telemetry-cold-b{batch}.jsonl.gz", f"-cold-b{batch}")
                                      if controlled else (None, {}))
-            try:
-                specs = [("none", "plain", None, None, None)]
+            controllers = {**({"cold": (cold_ctl, cold_agents)} if cold_ctl is not None else {}), **warm}
+            # transformers' generate, batch 1 only: plain greedy (k = 0) and prompt lookup at each depth
+            hf_depths = (0, *depths) if batch == 1 else ()
+
+            def specs(slot, timed=True):
+                out = [("none", "plain", None, None, None)]
                 for d in learned:
-                    # The deepest static run counts its acceptance (no controller hears of it).
-                    if eval_shape[d]:
+                    # The deepest static timed run counts its acceptance (no controller hears of it).
+                    if timed and eval_shape[d]:
                         eval_acceptance[(d, batch)] = (eval_shape[d], PositionAcceptance())
-                    specs += [(d, name, built[d], static_decide(dec),
-                               eval_acceptance[(d, batch)][1] if name == eval_shape[d] else None)
-                              for name, dec in shapes[d]]
-                    for tag, agents in (("cold", cold_agents), ("warm", warm_agents)):
-                        if d in agents:
-                            specs.append((d, f"{policy}-{tag}", built[d], agents[d].decide, agents[d]))
+                    out += [(d, name, built[d], static_decide(dec),
+                             eval_acceptance[(d, batch)][1] if timed and name == eval_shape[d] else None)
+                            for name, dec in shapes[d]]
+                    out += [(d, f"{policy}-{tag}", built[d], *slot(tag, d)) for tag in controllers]
                 if "oracle" in drafters:
-                    specs += [("oracle", f"static-d{k}", OracleDrafter(truth, max_depth=max(depths)),
-                               static_decide(Decision.chain(k)), None) for k in depths]
-                specs.append(("none", "plain-repeat", None, None, None))
+                    out += [("oracle", f"static-d{k}", OracleDrafter(truth, max_depth=max(depths)),
+                             static_decide(Decision.chain(k)), None) for k in depths]
+                out.append(("none", "plain-repeat", None, None, None))
                 if default_model is not None:
-                    specs.append(("none", "plain-default-kernels", None, None, None, default_model))
-                # transformers' generate, batch 1 only: plain greedy (k = 0) and prompt lookup at each depth
-                hf_depths = (0, *depths) if batch == 1 else ()
-                syncs.append(ControlSync([(c, a) for c, a in ((warm_ctl, warm_agents), (cold_ctl, cold_agents))
-                                          if c is not None]))
-                _lockstep(model, Engine, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies, clocks,
-                          syncs[-1])
+                    out.append(("none", "plain-default-kernels", None, None, None, default_model))
+                return out
+
+            try:
+                # The warm controllers see the warm-up prompts (untimed), then their own timed runs; nothing
+                # else. The warm one's acceptance there is counted on the way (``acceptance_warmup_vs_eval``).
+                counts = {d: PositionAcceptance() for d in learned}
+                warmup_overrides.extend(warm_up(controllers, batch, specs, "", hf_depths, counts))
+                if "warm" in warm:
+                    warmup_acceptance.update({(d, batch): counts[d] for d in learned})
+                syncs.append(ControlSync(controllers.values()))
+                _lockstep(model, Engine, specs(lambda tag, d: (controllers[tag][1][d].decide,
+                                                               controllers[tag][1][d])),
+                          hf_depths, ids, reference, batch, max_new_tokens, tallies, clocks, syncs[-1])
                 if confirm and controlled and warm_ids:
                     picked = {d: best_static_name(tallies, d, batch, basis) for d in learned}
                     second_pass(picked, batch)
-                for tag, agents in (("cold", cold_agents), ("warm", warm_agents)):
+                for tag, (_, agents) in controllers.items():
                     for d, agent in agents.items():
                         tallies[(d, f"{policy}-{tag}", batch)].note = (
                             f"plan v{agent.plan_version}; decision at this batch at the end: "
@@ -752,13 +838,13 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                 if cold_ctl is not None:
                     logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # grpc.aio pollers of closed agent loops
                     stop_controller(cold_ctl, cold_agents)
-        if warm_ctl is not None:
-            _settle(warm_agents)
-            fitted.update(_fitted_costs(warm_ctl.address, batches))
+        for ctl, agents in warm.values():
+            _settle(agents)
+            fitted.update(_fitted_costs(ctl.address, batches))
     finally:
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        if warm_ctl is not None:
-            stop_controller(warm_ctl, warm_agents)
+        for ctl, agents in warm.values():
+            stop_controller(ctl, agents)
 
     runs = [t.run(name, pol, batch) for (name, pol, batch), t in tallies.items()]
     for r in runs:
@@ -777,7 +863,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     summary = static_vs_controller(runs, policy, series, engine_var)
     acceptance = acceptance_warmup_vs_eval(
         warmup_acceptance, eval_acceptance,
-        f"{policy}-warm warm-up ({len(warm_ids)} prompts, untimed, the controller's shapes)" if warm_agents else "")
+        f"{policy}-warm warm-up ({len(warm_ids)} prompts, untimed, {warm_how.get('warm')}, the controller's shapes)"
+        if "warm" in warm else "")
     result = {
         "model": model_name,
         "prompts": [p.id for p in items],
@@ -786,8 +873,10 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "device": str(device),
         "speedup_basis": basis,
         "policy": policy,
-        "controller_warmup_prompts": [p.id for p in warm_items] if warm_agents else [],
-        "controller_warmup_source": WARMUP_SOURCE if warm_agents else "",
+        "controller_warmup_prompts": [p.id for p in warm_items] if warm else [],
+        "controller_warmup_source": WARMUP_SOURCE if warm else "",
+        # where each warm controller decoded its warm-up: tag -> crowd / alone (``warmup``)
+        "controller_warmup": {tag: warm_how[tag] for tag in warm},
         "controller_config": dict(controller_overrides or {}),
         # the lockstep rounds that ended with a ControlSync, and the wall seconds it waited (outside every timing)
         "control_sync": {"rounds": sum(s.rounds for s in syncs), "seconds": round(sum(s.seconds for s in syncs), 2)},
@@ -832,6 +921,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
 
 CONFIRM = "confirm-"  # policy prefix of the confirmation pass's runs
+# The controlled runs' policy suffixes: a fresh controller per batch, one warmed as ``warmup`` says, and
+# with ``warmup="both"`` one warmed alone beside it.
+CONTROLLER_TAGS = ("cold", "warm", "warm-alone")
 
 
 def rescore_intervals(folder: str | Path, plot: bool = True) -> list[dict]:
@@ -898,7 +990,8 @@ def static_vs_controller(runs, policy: str, series: dict | None = None, engine_v
             row[f"best_{label}"] = b.policy if b else ""
             row[f"best_{label}_speedup"] = b.speedup_vs_plain if b else 0.0
         oracle = [r.speedup_vs_plain for r in runs if r.drafter == "oracle" and r.batch == batch]
-        for tag in ("cold", "warm"):
+        tags = [t for t in CONTROLLER_TAGS if t in ("cold", "warm") or any(r.policy == f"{policy}-{t}" for r in rs)]
+        for tag in tags:
             c = next((r for r in rs if r.policy == f"{policy}-{tag}"), None)
             row[tag] = c.speedup_vs_plain if c else None
             row[f"{tag}_vs_best_static"] = round(c.speedup_vs_plain / best.speedup_vs_plain, 3) if c else None
@@ -911,11 +1004,11 @@ def static_vs_controller(runs, policy: str, series: dict | None = None, engine_v
         if best.policy in again:
             shape = again[best.policy]
             row["second_pass"] = {"best_static": best.policy, "best_static_speedup": shape, **{
-                key: value for tag in ("cold", "warm") if f"{policy}-{tag}" in again for key, value in (
+                key: value for tag in tags if f"{policy}-{tag}" in again for key, value in (
                     (tag, again[f"{policy}-{tag}"]),
                     (f"{tag}_vs_best_static_or_plain", round(again[f"{policy}-{tag}"] / max(shape, 1.0), 3)))}}
             if series:
-                for tag in ("cold", "warm"):
+                for tag in tags:
                     if f"{policy}-{tag}" in again:
                         row["second_pass"][f"{tag}_vs_best_static_or_plain_interval"] = _ratio_interval(
                             series, drafter, batch, f"{CONFIRM}{policy}-{tag}", [CONFIRM + best.policy], CONFIRM,
@@ -962,7 +1055,8 @@ def _ratio_interval(series: dict, drafter: str, batch: int, controller: str, sta
 
 
 def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_new_tokens, tallies,
-              clocks: dict[int, RunClock] | None = None, sync: Callable[[], None] | None = None) -> None:
+              clocks: dict[int, RunClock] | None = None, sync: Callable[[], None] | None = None,
+              seed: int | str | None = None, what: str = "") -> None:
     """Run every configuration of ``specs`` side by side, one engine step each
     in turn (in a fresh order every round, :func:`_round_order`), timing each step.
 
@@ -975,13 +1069,14 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
     configuration runs in a thread of its own (``_SteppedEngine``), none in
     the driver's. ``clocks``: id(observer) -> its controller's :class:`RunClock`;
     after each round a clock moves by the mean step time of its engines in it.
-    The orders are drawn from a generator seeded with ``batch``: one run's
-    lockstep of a batch size repeats another's turn for turn. ``sync``, when
+    The orders are drawn from a generator seeded with ``seed`` (default: ``batch``):
+    one run's lockstep of a batch size repeats another's turn for turn. ``sync``, when
     given, runs after each round once the clocks moved (:class:`ControlSync`).
+    ``what``: the progress bar's label (default: the timed lockstep of the batch size).
     """
     from worker.reference.progress import ProgressBar
 
-    rng = random.Random(batch)
+    rng = random.Random(batch if seed is None else seed)
 
     runners, requests = {}, {}
     before: dict[tuple, tuple[Counter, Counter]] = {}  # runner key -> its agent's override counters at the start
@@ -1005,7 +1100,8 @@ def _lockstep(model, engine_cls, specs, hf_depths, ids, reference, batch, max_ne
                     runners[_hf_key(k)] = _SteppedGenerate(model, ids, max_new_tokens, k)
                     tallies[_hf_key(k)] = _Tally()
         expected_rounds = max(1, len(ids) * max_new_tokens // batch)
-        bar = ProgressBar(expected_rounds, f"bench engine, batch {batch} ({len(runners)} configurations in lockstep)")
+        bar = ProgressBar(expected_rounds, f"bench engine, {what or f'batch {batch}'} "
+                                           f"({len(runners)} configurations in lockstep)")
         while True:
             live = [key for key, r in runners.items() if r.has_work()]
             if not live:
@@ -1293,6 +1389,12 @@ def _print_summary(summary) -> None:
               f"{num(s['cold_vs_best_static_or_plain']):>9} {num(s['warm_vs_best_static_or_plain']):>9} | "
               f"{'':13}{num(two.get('best_static_speedup')):>6} {num(two.get('cold')):>6} {num(two.get('warm')):>6} "
               f"{num(two.get('cold_vs_best_static_or_plain')):>10} {num(two.get('warm_vs_best_static_or_plain')):>10}")
+    if any("warm-alone" in s for s in summary):
+        print("\nwarmed alone beside it (warm-alone), against max(best static, plain) / max(shape, plain): ")
+        for s in summary:
+            two = s.get("second_pass", {})
+            print(f"{s['drafter']:8} {s['batch']:>5}  main {num(s.get('warm-alone_vs_best_static_or_plain')):>6}"
+                  f"  second pass {num(two.get('warm-alone_vs_best_static_or_plain')):>6}")
     if not any(k.endswith("_interval") for s in summary for k in s):
         return
 
@@ -1303,10 +1405,12 @@ def _print_summary(summary) -> None:
           "the engines' own speeds added):")
     for s in summary:
         two = s.get("second_pass", {})
+        alone = "".join(f"{label}{span(where.get('warm-alone_vs_best_static_or_plain_interval'))}"
+                        for label, where in ((" | warm-alone: /best ", s), (" /shape ", two)) if "warm-alone" in where)
         print(f"{s['drafter']:8} {s['batch']:>5}  cold/best {span(s.get('cold_vs_best_static_or_plain_interval'))}"
               f"  warm/best {span(s.get('warm_vs_best_static_or_plain_interval'))}"
               f" | second pass: cold/shape {span(two.get('cold_vs_best_static_or_plain_interval'))}"
-              f"  warm/shape {span(two.get('warm_vs_best_static_or_plain_interval'))}")
+              f"  warm/shape {span(two.get('warm_vs_best_static_or_plain_interval'))}" + alone)
 
 
 def _print_acceptance(rows) -> None:
@@ -1336,8 +1440,9 @@ def _print_overrides(runs, warmup: list[dict]) -> None:
     decided and asked to draft, by reason, beside all the row-steps that drafted."""
     rows = [(f"{r.policy} {r.drafter} b{r.batch}", r.spec_row_steps, r.override_row_steps, r.override_draft_asks)
             for r in runs if r.controlled]
-    rows += [(f"warm-up {w['drafter']} b{w['batch']}", w["spec_row_steps"], w["override_row_steps"],
-              w["override_draft_asks"]) for w in warmup]
+    rows += [(f"{'' if w.get('pass', 'main') == 'main' else CONFIRM}{w.get('controller', 'warm')} warm-up "
+              f"({w.get('warmup', 'alone')}) {w['drafter']} b{w['batch']}", w["spec_row_steps"],
+              w["override_row_steps"], w["override_draft_asks"]) for w in warmup]
     if not rows:
         return
     print("\nrow-steps decided by per-request overrides, by reason: asked to draft / all "
@@ -1376,6 +1481,8 @@ def _plot(runs, path: Path, batches) -> None:
                 bar.set_hatch("//")
             elif r.policy.endswith("-warm"):
                 bar.set_hatch("xx")
+            elif r.policy.endswith("-warm-alone"):
+                bar.set_hatch("..")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks(range(len(rs)))
         ax.set_xticklabels(labels, rotation=70, fontsize=6)
@@ -1405,6 +1512,9 @@ def _plot_ratios(summary: list[dict], path: Path) -> None:
     cells = [f"{s['drafter']}\nb{s['batch']}" for s in summary]
     series = [("cold", "main", "#88aacc", "o"), ("warm", "main", "#224477", "s"),
               ("cold", "second", "#ddaa88", "o"), ("warm", "second", "#aa5522", "s")]
+    if any("warm-alone" in s for s in summary):  # warmed alone beside the crowd-warmed one
+        series[2:2] = [("warm-alone", "main", "#66aa66", "^")]
+        series.append(("warm-alone", "second", "#226622", "^"))
     fig, ax = plt.subplots(figsize=(max(7.0, 1.0 * len(cells)), 4.2))
     for i, (tag, passed, color, marker) in enumerate(series):
         xs, ys, lo, hi = [], [], [], []
@@ -1414,7 +1524,7 @@ def _plot_ratios(summary: list[dict], path: Path) -> None:
             span = where.get(f"{tag}_vs_best_static_or_plain_interval")
             if value is None or not span:
                 continue
-            xs.append(x + (i - 1.5) * 0.17)
+            xs.append(x + (i - (len(series) - 1) / 2) * 0.17)
             ys.append(value)
             lo.append(max(value - span[0], 0.0))
             hi.append(max(span[1] - value, 0.0))

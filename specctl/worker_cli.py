@@ -347,6 +347,11 @@ def add_bench_engine_options(bench) -> None:
     g.add_argument("--warmup-prompts", type=int, default=8,
                    help="held-out prompts outside the evaluation set that the warm controller decodes untimed "
                         "before each batch size (default 8; 0 = the cold controller only)")
+    g.add_argument("--warmup", choices=["crowd", "alone", "both"], default="crowd",
+                   help="where the warm controller decodes its warm-up prompts: 'crowd' (default), in a lockstep "
+                        "of every configuration of the timed one, the conditions it is timed in; 'alone', by "
+                        "itself (runs before stop 39); 'both': a second warm controller (goodput-warm-alone) "
+                        "warmed alone beside the crowd-warmed one, timed in the same locksteps")
 
 
 def bench_engine(args: argparse.Namespace) -> int:
@@ -363,7 +368,7 @@ def bench_engine(args: argparse.Namespace) -> int:
         depths=tuple(int(d) for d in args.depths.split(",")), drafters=tuple(args.drafters.split(",")),
         policy=args.engine_policy, threads=args.threads, heads_dir=args.heads, warmup_prompts=args.warmup_prompts,
         kernels=args.kernels, trees=_tree_shapes(args.trees), controller_overrides=overrides, confirm=args.confirm,
-        verify_layout=args.verify_layout)
+        verify_layout=args.verify_layout, warmup=args.warmup)
 
 
 def _controller_overrides(path: str | None) -> dict | None:
