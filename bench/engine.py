@@ -36,7 +36,17 @@ through ``worker.reference.engine.Engine`` with ``max_batch = batch``:
   evaluation prompts the heads never trained on them, and none is an
   evaluation prompt (checked). The controller's acceptance model is shared
   by every worker of a drafter version, so a fresh worker id on the warm
-  controller would not be cold: the cold runs get controllers of their own;
+  controller would not be cold: the cold runs get controllers of their own.
+  Where the warm-up runs (``warmup``): by default in the **crowd**, a
+  lockstep of every configuration of the timed one on the warm-up prompts
+  (untimed; another controller's runs stood in for by static chains of the
+  agents' fallback depth, so no other controller hears it), because what a
+  step costs depends on how many engines take turns (a draft at batch 8 is
+  3-8 % dearer against plain among ~30 engines than among six; stop 38),
+  and a warm-up alone taught the controller prices the timed run does not
+  pay. ``alone``: each warm engine decodes the warm-up by itself (every run
+  before stop 39). ``both``: a second warm controller (``-warm-alone``)
+  warmed alone, timed beside the crowd-warmed one in every lockstep;
 - ``oracle`` / ``static-dK``: replays the target's own greedy continuation
   (100% acceptance), the ceiling of this verification pipeline here.
 
@@ -1013,6 +1023,13 @@ def static_vs_controller(runs, policy: str, series: dict | None = None, engine_v
                         row["second_pass"][f"{tag}_vs_best_static_or_plain_interval"] = _ratio_interval(
                             series, drafter, batch, f"{CONFIRM}{policy}-{tag}", [CONFIRM + best.policy], CONFIRM,
                             engine_var)
+        # --warmup both: the crowd-warmed controller over the one warmed alone, timed in the same locksteps
+        for where, prefix in ((row, ""), (row.get("second_pass"), CONFIRM)):
+            if where is not None and where.get("warm") and where.get("warm-alone"):
+                where["warm_vs_warm-alone"] = round(where["warm"] / where["warm-alone"], 3)
+                if series:
+                    where["warm_vs_warm-alone_interval"] = _pair_interval(
+                        series, drafter, batch, f"{prefix}{policy}-warm", f"{prefix}{policy}-warm-alone", engine_var)
         ctl = row["warm"] if row["warm"] is not None else row["cold"]
         row["share_of_oracle"] = round(ctl / max(oracle), 3) if oracle and ctl is not None else None
         row["lossless"] = all(r.lossless for r in rs)
@@ -1051,6 +1068,20 @@ def _ratio_interval(series: dict, drafter: str, batch: int, controller: str, sta
         return rates["controller"] / base / np.maximum(best, 1.0)
 
     lo, hi = interval(chosen, ratio, extra_log_var=2.0 * engine_var)
+    return [round(lo, 3), round(hi, 3)]
+
+
+def _pair_interval(series: dict, drafter: str, batch: int, a: str, b: str,
+                   engine_var: float = 0.0) -> list[float] | None:
+    """90 % interval of run ``a``'s rate over run ``b``'s, two runs of ``drafter`` at ``batch`` in one
+    lockstep (their rounds resampled together, ``engine_var`` per engine)."""
+    from bench.intervals import interval
+
+    keys = {"a": (drafter, a, batch), "b": (drafter, b, batch)}
+    if not all(k in series for k in keys.values()):
+        return None
+    lo, hi = interval({name: series[k] for name, k in keys.items()}, lambda r: r["a"] / r["b"],
+                      extra_log_var=2.0 * engine_var)
     return [round(lo, 3), round(hi, 3)]
 
 
@@ -1390,11 +1421,17 @@ def _print_summary(summary) -> None:
               f"{'':13}{num(two.get('best_static_speedup')):>6} {num(two.get('cold')):>6} {num(two.get('warm')):>6} "
               f"{num(two.get('cold_vs_best_static_or_plain')):>10} {num(two.get('warm_vs_best_static_or_plain')):>10}")
     if any("warm-alone" in s for s in summary):
-        print("\nwarmed alone beside it (warm-alone), against max(best static, plain) / max(shape, plain): ")
+        def span(x):
+            return "" if not x else f" [{x[0]:.3f}, {x[1]:.3f}]"
+
+        print("\nwarmed alone beside it (warm-alone): against max(best static, plain) / max(shape, plain), and "
+              "the crowd-warmed controller over it (warm/alone, 90 % interval)")
         for s in summary:
             two = s.get("second_pass", {})
             print(f"{s['drafter']:8} {s['batch']:>5}  main {num(s.get('warm-alone_vs_best_static_or_plain')):>6}"
-                  f"  second pass {num(two.get('warm-alone_vs_best_static_or_plain')):>6}")
+                  f"  warm/alone {num(s.get('warm_vs_warm-alone'))}{span(s.get('warm_vs_warm-alone_interval'))}"
+                  f"  | second pass {num(two.get('warm-alone_vs_best_static_or_plain')):>6}"
+                  f"  warm/alone {num(two.get('warm_vs_warm-alone'))}{span(two.get('warm_vs_warm-alone_interval'))}")
     if not any(k.endswith("_interval") for s in summary for k in s):
         return
 

@@ -13,7 +13,13 @@ the two-sided sign test's p-value (:func:`sign_test_p`), per cell and over
 all cells. A cell is a drafter, a batch size and the load: run R (stop 38)
 decoded its prompts four times over at batch 8 and twice at batch 4 to keep
 the batch full (``passes`` in its ``engine.json``), and is never pooled
-with the runs of one batch draining there.
+with the runs of one batch draining there. The warm-up is part of the cell
+too: runs before stop 39 warmed their warm controller alone, later ones in
+the crowd of the timed lockstep (``controller_warmup`` in ``engine.json``),
+and a run with both (``--warmup both``) gives a cell of each, its
+``warm-alone`` controller's ratios in the ``alone`` one (its cold ratios
+count once, with the crowd-warmed controller). Pooled counts are per
+warm-up.
 
 Read the **second pass**: its shape was picked on another measurement (the
 main pass), so a controller tied with it sits at 1 in expectation. The main
@@ -56,6 +62,7 @@ class CellRun:
     passes: int
     ratios: dict[str, float | None]  # "warm-main", "warm-second", "cold-main", "cold-second"
     acceptance_gap: float | None  # warm-up minus evaluation, first position, top-ranked candidate
+    warmup: str = "alone"  # where its warm controller decoded the warm-up: alone, or crowd (the timed lockstep's)
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class CellSummary:
     batch: int
     passes: int
     runs: list[str]
+    warmup: str = "alone"
     values: dict[str, list[float | None]] = field(default_factory=dict)
     signs: dict[str, Signs] = field(default_factory=dict)
     acceptance_gaps: list[float | None] = field(default_factory=list)
@@ -118,55 +126,66 @@ def load_cells(folder: str | Path) -> list[CellRun]:
         warm, evaluation = a.get("warmup_top1_rates") or [None], a.get("eval_top1_rates") or [None]
         if warm[0] is not None and evaluation[0] is not None:
             gaps[(a["drafter"], a["batch"])] = round(warm[0] - evaluation[0], 4)
+    # tag of the run's controller -> where it warmed up (runs before stop 39: one, warmed alone)
+    warmups = result.get("controller_warmup") or {"warm": "alone"}
     out = []
     for row in result["static_vs_controller"]:
         second = row.get("second_pass") or {}
-        ratios = {}
-        for tag in TAGS:
-            ratios[f"{tag}-main"] = row.get(f"{tag}_vs_best_static_or_plain")
-            ratios[f"{tag}-second"] = second.get(f"{tag}_vs_best_static_or_plain")
         passes = int(result.get("passes", {}).get(str(row["batch"]), 1))
-        out.append(CellRun(folder.name, row["drafter"], int(row["batch"]), passes, ratios,
-                           gaps.get((row["drafter"], row["batch"]))))
+        for warm_tag, where in warmups.items():
+            ratios = {}
+            for tag in TAGS:
+                source = warm_tag if tag == "warm" else tag if warm_tag == "warm" else None
+                ratios[f"{tag}-main"] = row.get(f"{source}_vs_best_static_or_plain") if source else None
+                ratios[f"{tag}-second"] = second.get(f"{source}_vs_best_static_or_plain") if source else None
+            # the acceptance rows count the warm controller's warm-up only
+            out.append(CellRun(folder.name, row["drafter"], int(row["batch"]), passes, ratios,
+                               gaps.get((row["drafter"], row["batch"])) if warm_tag == "warm" else None, where))
     return out
 
 
 def cross_run(cells: Sequence[CellRun]) -> tuple[list[CellSummary], dict]:
     """Per cell, and over all cells, each ``tag-pass``'s ratios over the runs
     (a tie at exactly 1 counts as neither under nor over, as the sign test
-    has it). A cell is a drafter, a batch size and the passes its runs
-    decoded there: a batch draining (one pass) and a batch kept full (run
-    R's ``passes``) are different loads, never pooled.
+    has it). A cell is a drafter, a batch size, the passes its runs
+    decoded there and the warm-up: a batch draining (one pass) and a batch
+    kept full (run R's ``passes``) are different loads, a warm-up alone and
+    one in the crowd different controllers, never pooled; ``overall`` is
+    per warm-up.
 
     >>> runs = [CellRun(f"r{i}", "eagle", 8, 4, {"warm-second": v}, 0.1) for i, v in enumerate([0.96, 0.95, 0.99, 1.0])]
     >>> cells, overall = cross_run(runs)
     >>> cells[0].signs["warm-second"]
     Signs(under=3, counted=3, sign_p=0.25, mean=0.975)
-    >>> overall["warm-second"]["under"], overall["warm-second"]["sign_p"]
+    >>> overall["alone"]["warm-second"]["under"], overall["alone"]["warm-second"]["sign_p"]
     (3, 0.25)
     """
     keys = [f"{tag}-{p}" for tag in TAGS for p in PASSES]
     order = {"ngram": 0, "medusa": 1, "eagle": 2}
-    by_cell: dict[tuple[str, int, int], list[CellRun]] = {}
+    by_cell: dict[tuple[str, int, int, str], list[CellRun]] = {}
     for c in cells:
-        by_cell.setdefault((c.drafter, c.batch, c.passes), []).append(c)
+        by_cell.setdefault((c.drafter, c.batch, c.passes, c.warmup), []).append(c)
     summaries = []
-    for (drafter, batch, passes), rs in sorted(by_cell.items(),
-                                               key=lambda kv: (kv[0][2], kv[0][1], order.get(kv[0][0], 9), kv[0][0])):
-        s = CellSummary(drafter, batch, passes, [r.run for r in rs], acceptance_gaps=[r.acceptance_gap for r in rs])
+    for (drafter, batch, passes, warmup), rs in sorted(
+            by_cell.items(), key=lambda kv: (kv[0][3] != "alone", kv[0][2], kv[0][1], order.get(kv[0][0], 9), kv[0][0])):
+        s = CellSummary(drafter, batch, passes, [r.run for r in rs], warmup,
+                        acceptance_gaps=[r.acceptance_gap for r in rs])
         for key in keys:
             s.values[key] = [r.ratios.get(key) for r in rs]
             s.signs[key] = Signs.of(s.values[key])
         summaries.append(s)
-    overall = {}
-    for key in keys:
-        vals = [v for s in summaries for v in s.values[key]]
-        overall[key] = {"cells": sum(v is not None for v in vals), **asdict(Signs.of(vals))}
-        gaps = [(g, v) for s in summaries for g, v in zip(s.acceptance_gaps, s.values[key])
-                if g is not None and v is not None]
-        overall[key]["acceptance_gap_correlation"] = (
-            round(float(np.corrcoef([g for g, _ in gaps], [v for _, v in gaps])[0, 1]), 3)
-            if len(gaps) >= 3 and np.std([g for g, _ in gaps]) > 0 and np.std([v for _, v in gaps]) > 0 else None)
+    overall: dict[str, dict] = {}
+    for warmup in dict.fromkeys(s.warmup for s in summaries):
+        mine = [s for s in summaries if s.warmup == warmup]
+        overall[warmup] = {}
+        for key in keys:
+            vals = [v for s in mine for v in s.values[key]]
+            o = overall[warmup][key] = {"cells": sum(v is not None for v in vals), **asdict(Signs.of(vals))}
+            gaps = [(g, v) for s in mine for g, v in zip(s.acceptance_gaps, s.values[key])
+                    if g is not None and v is not None]
+            o["acceptance_gap_correlation"] = (
+                round(float(np.corrcoef([g for g, _ in gaps], [v for _, v in gaps])[0, 1]), 3)
+                if len(gaps) >= 3 and np.std([g for g, _ in gaps]) > 0 and np.std([v for _, v in gaps]) > 0 else None)
     return summaries, overall
 
 
@@ -208,20 +227,22 @@ def run_engine_runs(folders: Sequence[str | Path], out_dir: str | Path = "bench/
 
 def _print(summaries: list[CellSummary], overall: dict, runs: list[str]) -> None:
     print(f"warm controller / max(best static, plain) over {len(runs)} runs ({', '.join(runs)})")
-    print(f"{'drafter':8} {'batch':>5} {'x':>2}  {'pass':6} {'under 1':>8} {'sign p':>7} {'mean':>6}  per run "
-          f"(x: passes over the prompts)")
+    print(f"{'drafter':8} {'batch':>5} {'x':>2} {'warm-up':7} {'pass':6} {'under 1':>8} {'sign p':>7} {'mean':>6}  "
+          f"per run (x: passes over the prompts)")
     for s in summaries:
         for p in PASSES:
             key = f"warm-{p}"
             vals = " ".join("-" if v is None else f"{v:.3f}" for v in s.values[key])
             sg = s.signs[key]
             mean = "-" if sg.mean is None else f"{sg.mean:.3f}"
-            print(f"{s.drafter:8} {s.batch:>5} {s.passes:>2}  {p:6} {sg.under:>3}/{sg.counted:<4} "
+            print(f"{s.drafter:8} {s.batch:>5} {s.passes:>2} {s.warmup:7} {p:6} {sg.under:>3}/{sg.counted:<4} "
                   f"{sg.sign_p:>7.3f} {mean:>6}  {vals}")
-    for key, o in overall.items():
-        mean = "-" if o["mean"] is None else f"{o['mean']:.3f}"
-        print(f"all cells, {key}: under 1 in {o['under']} of {o['counted']} (sign p {o['sign_p']:.2g}), mean {mean}, "
-              f"correlation with warm-up minus evaluation acceptance {o['acceptance_gap_correlation']}")
+    for warmup, by_key in overall.items():
+        for key, o in by_key.items():
+            mean = "-" if o["mean"] is None else f"{o['mean']:.3f}"
+            print(f"all cells, warm-up {warmup}, {key}: under 1 in {o['under']} of {o['counted']} "
+                  f"(sign p {o['sign_p']:.2g}), mean {mean}, "
+                  f"correlation with warm-up minus evaluation acceptance {o['acceptance_gap_correlation']}")
 
 
 def _plot(summaries: list[CellSummary], path: Path, n_runs: int) -> None:
@@ -243,8 +264,8 @@ def _plot(summaries: list[CellSummary], path: Path, n_runs: int) -> None:
             ax.hlines(np.mean(vals), x + (i - 0.5) * 0.3 - 0.12, x + (i - 0.5) * 0.3 + 0.12, color=color, lw=2)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks(range(len(summaries)))
-    ax.set_xticklabels([f"{s.drafter}\nb{s.batch}" + (f" x{s.passes}" if s.passes > 1 else "") for s in summaries],
-                       fontsize=8)
+    ax.set_xticklabels([f"{s.drafter}\nb{s.batch}" + (f" x{s.passes}" if s.passes > 1 else "")
+                        + ("" if s.warmup == "alone" else f"\n{s.warmup}") for s in summaries], fontsize=8)
     ax.set_ylabel("warm controller / max(best static, plain)", fontsize=8)
     ax.set_title(f"The warm controller over {n_runs} engine runs: one dot per run, the bar the mean", fontsize=9)
     ax.legend(fontsize=7, loc="lower center", ncol=2)

@@ -134,6 +134,7 @@ def engine_bench(tmp_path_factory):
     assert run_engine_bench(out_dir=str(out), batches=(1, 2), prompts=2, max_new_tokens=6, depths=(2,),
                             trees=((2, 2, 3),), drafters=("ngram", "oracle"), policy="goodput", plot=True,
                             warmup_prompts=2, calibrate=False,  # start-up calibration: 20 s, tested apart
+                            warmup="both",  # a warm controller warmed in the crowd, one warmed alone beside it
                             controller_overrides={"acceptance": {"half_life_s": 60.0}}) == 0
     return out, json.loads((out / "engine.json").read_text())
 
@@ -148,7 +149,7 @@ def test_engine_bench_compares_warmup_and_evaluation_acceptance(engine_bench):
     assert set(rows) == {("ngram", 1), ("ngram", 2)}
     for (_, b), a in rows.items():
         assert a["eval_source"] == "static-d2"  # the deepest shape, the chain before the tree
-        assert a["warmup_source"].startswith("goodput-warm warm-up (2 prompts")
+        assert a["warmup_source"].startswith("goodput-warm warm-up (2 prompts, untimed, crowd")
         static = runs[("ngram", "static-d2", b)]
         # The evaluation counts are those of the timed static chain: the same row-steps, τ and drafting share.
         assert a["eval_row_steps"] > 0 and a["warmup_row_steps"] > 0
@@ -178,11 +179,12 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
     runs = {(r["drafter"], r["policy"], r["batch"]): r for r in result["runs"]}
     expected = {("none", "plain"), ("none", "plain-repeat"), ("none", "plain-default-kernels"),
                 ("ngram", "static-d2"), ("ngram", "static-d2w2n3"), ("ngram", "goodput-cold"),
-                ("ngram", "goodput-warm"), ("oracle", "static-d2")}
+                ("ngram", "goodput-warm"), ("ngram", "goodput-warm-alone"), ("oracle", "static-d2")}
     for batch in (1, 2):
         picked = next(s["best_static"] for s in result["static_vs_controller"] if s["batch"] == batch)
         confirmation = {("none", "confirm-plain"), ("ngram", f"confirm-{picked}"), ("ngram", "confirm-goodput-cold"),
-                        ("ngram", "confirm-goodput-warm"), ("none", "confirm-plain-repeat")}
+                        ("ngram", "confirm-goodput-warm"), ("ngram", "confirm-goodput-warm-alone"),
+                        ("none", "confirm-plain-repeat")}
         assert {(d, p) for d, p, b in runs if b == batch and not d.startswith("hf-")} == expected | confirmation
     assert {("hf-generate", "plain", 1), ("hf-prompt-lookup", "static-d2", 1)} <= set(runs)
     assert all(r["lossless"] and r["tokens"] == 12 and r["tokens_per_cpu_s"] > 0 for r in runs.values())
@@ -195,6 +197,7 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
 
     # Warm-up on held-out prompts outside the evaluation set.
     assert len(result["controller_warmup_prompts"]) == 2 and result["controller_warmup_source"]
+    assert result["controller_warmup"] == {"warm": "crowd", "warm-alone": "alone"}
     # every round of every lockstep ended with the controllers in sync (main passes and second passes)
     warm_steps = sum(runs[("ngram", p, b)]["steps"] for p in ("goodput-warm", "confirm-goodput-warm") for b in (1, 2))
     assert result["control_sync"]["rounds"] >= warm_steps and result["control_sync"]["seconds"] > 0
@@ -203,7 +206,7 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
 
     # The warm controller saw the warm-up and its own runs; each cold one (a controller per batch) only its own.
     fitted = result["controller_cost_models"]
-    assert set(fitted) == {"bench-ngram", "bench-ngram-cold-b1", "bench-ngram-cold-b2"}
+    assert set(fitted) == {"bench-ngram", "bench-ngram-warm-alone", "bench-ngram-cold-b1", "bench-ngram-cold-b2"}
     assert fitted["bench-ngram"]["samples"] > 0
     assert len(fitted["bench-ngram"]["verify_ms_by_batch_and_nodes_per_request"]["1"]) == 12
     steps_per_run = {b: runs[("ngram", "goodput-cold", b)]["steps"] for b in (1, 2)}
@@ -219,12 +222,17 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
                 out[r["worker_id"]] = out.get(r["worker_id"], 0) + 1
         return out
 
-    assert finished("engine-telemetry.jsonl.gz") == {"bench-ngram": 2 * (2 + 2)}  # 2 batches x (warm-up + eval)
+    # 2 batches x (warm-up + eval), whether warmed in the crowd or alone: in a crowd warm-up the other
+    # controllers' runs are stood in for by static chains, so no controller hears another's warm-up.
+    assert finished("engine-telemetry.jsonl.gz") == {"bench-ngram": 2 * (2 + 2)}
+    assert finished("engine-telemetry-warm-alone.jsonl.gz") == {"bench-ngram-warm-alone": 2 * (2 + 2)}
     for b in (1, 2):
         assert finished(f"engine-telemetry-cold-b{b}.jsonl.gz") == {f"bench-ngram-cold-b{b}": 2}
-        # The second pass's controllers: fresh at each batch, the warm one warmed at this batch only.
+        # The second pass's controllers: fresh at each batch, the warm ones warmed at this batch only.
         assert finished(f"engine-telemetry-confirm-cold-b{b}.jsonl.gz") == {f"bench-ngram-confirm-cold-b{b}": 2}
-        assert finished(f"engine-telemetry-confirm-warm-b{b}.jsonl.gz") == {f"bench-ngram-confirm-warm-b{b}": 2 + 2}
+        for tag in ("warm", "warm-alone"):
+            assert finished(f"engine-telemetry-confirm-{tag}-b{b}.jsonl.gz") == {
+                f"bench-ngram-confirm-{tag}-b{b}": 2 + 2}
 
     summary = {(s["drafter"], s["batch"]): s for s in result["static_vs_controller"]}
     assert set(summary) == {("ngram", 1), ("ngram", 2)}
@@ -232,7 +240,7 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
         static = {p: runs[("ngram", p, b)]["speedup_vs_plain"] for p in ("static-d2", "static-d2w2n3")}
         assert s["best_static"] == max(static, key=static.get) and s["best_static_speedup"] == max(static.values())
         assert (s["best_chain"], s["best_tree"]) == ("static-d2", "static-d2w2n3")
-        for tag in ("cold", "warm"):
+        for tag in ("cold", "warm", "warm-alone"):
             assert s[tag] == runs[("ngram", f"goodput-{tag}", b)]["speedup_vs_plain"]
             assert s[f"{tag}_vs_best_static"] == pytest.approx(s[tag] / s["best_static_speedup"], abs=2e-3)
         assert s["share_of_oracle"] == pytest.approx(s["warm"] / runs[("oracle", "static-d2", b)]["speedup_vs_plain"],
@@ -243,7 +251,7 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
         plain_again = [runs[("none", p, b)]["tokens_per_cpu_s"] for p in ("confirm-plain", "confirm-plain-repeat")]
         assert shape["speedup_vs_plain"] == pytest.approx(shape["tokens_per_cpu_s"] / (sum(plain_again) / 2), abs=2e-3)
         assert (two["best_static"], two["best_static_speedup"]) == (s["best_static"], shape["speedup_vs_plain"])
-        for tag in ("cold", "warm"):
+        for tag in ("cold", "warm", "warm-alone"):
             assert two[tag] == runs[("ngram", f"confirm-goodput-{tag}", b)]["speedup_vs_plain"]
             assert two[f"{tag}_vs_best_static_or_plain"] == pytest.approx(
                 two[tag] / max(shape["speedup_vs_plain"], 1.0), abs=2e-3)
@@ -251,6 +259,10 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
             for where in (s, two):
                 lo, hi = where[f"{tag}_vs_best_static_or_plain_interval"]
                 assert 0 < lo <= hi
+        for where in (s, two):  # the crowd-warmed controller over the one warmed alone, in one lockstep
+            assert where["warm_vs_warm-alone"] == pytest.approx(where["warm"] / where["warm-alone"], abs=2e-3)
+            lo, hi = where["warm_vs_warm-alone_interval"]
+            assert 0 < lo <= hi
     assert (tmp_path / "engine.png").stat().st_size > 0
     assert (tmp_path / "engine-ratios.png").stat().st_size > 0  # the ratios with their intervals, drawn
     # Every timed run step by step: its steps and tokens add up to the run's.
@@ -281,15 +293,21 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
         assert set(drafted) <= set(overrides) and all(0 < drafted[k] <= overrides[k] for k in drafted)
         assert sum(overrides.values()) <= r["steps"] * b
         assert r["spec_row_steps"] <= r["steps"] * b and (r["spec_row_steps"] > 0) == (r["spec_fraction"] > 0)
-    warmups = {(w["drafter"], w["batch"]): w for w in result["warmup_overrides"]}
+    warmups = {(w["pass"], w["controller"], w["batch"]): w for w in result["warmup_overrides"]}
     acceptance = {(a["drafter"], a["batch"]): a for a in result["acceptance_warmup_vs_eval"]}
-    assert set(warmups) == {("ngram", 1), ("ngram", 2)}
-    for key, w in warmups.items():  # the same warm-up the acceptance rows counted
-        assert w["row_steps"] == acceptance[key]["warmup_row_steps"] > 0
-        assert w["spec_row_steps"] == acceptance[key]["warmup_drafting_row_steps"]
+    assert set(warmups) == {(p, tag, b) for p in ("main", "second") for tag in ("warm", "warm-alone") for b in (1, 2)}
+    for (passed, tag, b), w in warmups.items():
+        assert w["drafter"] == "ngram" and w["warmup"] == ("crowd" if tag == "warm" else "alone")
+        assert 0 < w["row_steps"] <= 2 * 6 and w["lossless"]
         assert sum(w["override_row_steps"].values()) <= w["row_steps"]
         assert all(w["override_draft_asks"].get(k, 0) <= n for k, n in w["override_row_steps"].items())
         assert w["spec_row_steps"] <= w["row_steps"]
+        if passed == "main" and tag == "warm":  # the same warm-up the acceptance rows counted
+            assert w["row_steps"] == acceptance[("ngram", b)]["warmup_row_steps"]
+            assert w["spec_row_steps"] == acceptance[("ngram", b)]["warmup_drafting_row_steps"]
+        if tag == "warm":  # the crowd: as many configurations as the timed lockstep it warms up for
+            timed = {(d, p) for d, p, bb in runs if bb == b and p.startswith("confirm-") == (passed == "second")}
+            assert w["crowd"] == len(timed)
 
 
 def test_the_confirmation_pass_times_the_fastest_static_run_on_the_benchmark_basis():

@@ -8,9 +8,11 @@ from bench.engine_runs import cross_run, default_run_folders, load_cells, run_en
 from specctl.cli import main
 
 
-def _write_run(folder, warm_second, warm_main=1.0, gap=0.05, second_pass=True, passes=None):
+def _write_run(folder, warm_second, warm_main=1.0, gap=0.05, second_pass=True, passes=None, alone_second=None):
     """An engine.json with one cell per (drafter, batch) of ``warm_second``: {(drafter, batch): ratio};
-    ``passes``: its ``passes`` key (batch -> passes: run R's), absent by default as in the other runs."""
+    ``passes``: its ``passes`` key (batch -> passes: run R's), absent by default as in the other runs;
+    ``alone_second``: a run warmed in the crowd with a ``warm-alone`` controller beside it (``--warmup
+    both``), its second-pass ratios by cell."""
     folder.mkdir(parents=True)
     rows, acceptance = [], []
     for (drafter, batch), ratio in warm_second.items():
@@ -19,12 +21,17 @@ def _write_run(folder, warm_second, warm_main=1.0, gap=0.05, second_pass=True, p
         if second_pass:
             row["second_pass"] = {"best_static": "static-d1", "best_static_speedup": 1.04,
                                   "warm_vs_best_static_or_plain": ratio, "cold_vs_best_static_or_plain": None}
+        if alone_second:
+            row["warm-alone_vs_best_static_or_plain"] = 0.9
+            row["second_pass"]["warm-alone_vs_best_static_or_plain"] = alone_second[(drafter, batch)]
         rows.append(row)
         acceptance.append({"drafter": drafter, "batch": batch, "warmup_top1_rates": [0.3 + gap, 0.5],
                            "eval_top1_rates": [0.3, 0.5]})
     result = {"static_vs_controller": rows, "acceptance_warmup_vs_eval": acceptance}
     if passes:
         result["passes"] = {str(b): n for b, n in passes.items()}
+    if alone_second:
+        result["controller_warmup"] = {"warm": "crowd", "warm-alone": "alone"}
     (folder / "engine.json").write_text(json.dumps(result))
     return folder
 
@@ -62,9 +69,27 @@ def test_a_cell_behind_in_every_run_is_told_from_one_that_is_tied(tmp_path):
     assert by[("medusa", 4)].runs == ["engine-run7", "engine-run8", "engine-run10", "engine-run11"]
     assert eagle.acceptance_gaps == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08])
     # the main pass's ratios are all exactly 1 here: no signs at all
-    assert overall["warm-main"]["counted"] == 0 and overall["warm-main"]["sign_p"] == 1.0
-    assert overall["warm-second"]["under"] == 5 + 2 + 4
-    assert overall["cold-second"]["cells"] == 0 and overall["cold-second"]["mean"] is None
+    assert list(overall) == ["alone"]  # runs before stop 39 warmed alone
+    assert overall["alone"]["warm-main"]["counted"] == 0 and overall["alone"]["warm-main"]["sign_p"] == 1.0
+    assert overall["alone"]["warm-second"]["under"] == 5 + 2 + 4
+    assert overall["alone"]["cold-second"]["cells"] == 0 and overall["alone"]["cold-second"]["mean"] is None
+
+
+def test_a_warm_up_in_the_crowd_is_a_cell_of_its_own_and_a_run_with_both_feeds_each(tmp_path):
+    old = _write_run(tmp_path / "engine-run17", {("eagle", 8): 0.95})
+    both = _write_run(tmp_path / "engine-run19", {("eagle", 8): 1.01}, alone_second={("eagle", 8): 0.96})
+    cells = load_cells(both)
+    assert [(c.warmup, c.ratios["warm-second"], c.ratios["cold-main"]) for c in cells] == [
+        ("crowd", 1.01, 0.97), ("alone", 0.96, None)]  # the cold controller counted once, with the crowd's
+    assert [c.acceptance_gap for c in cells] == [pytest.approx(0.05), None]  # the warm-up counted is the crowd's
+    summaries, overall = cross_run(load_cells(old) + cells)
+    by = {(s.warmup, s.drafter, s.batch): s for s in summaries}
+    assert [s.warmup for s in summaries] == ["alone", "crowd"]
+    assert by[("alone", "eagle", 8)].values["warm-second"] == [0.95, 0.96]
+    assert by[("alone", "eagle", 8)].runs == ["engine-run17", "engine-run19"]
+    assert by[("crowd", "eagle", 8)].values["warm-main"] == [1.0]
+    assert overall["alone"]["warm-second"]["under"] == 2 and overall["crowd"]["warm-second"]["under"] == 0
+    assert overall["alone"]["cold-main"]["cells"] == 1 and overall["crowd"]["cold-main"]["cells"] == 1
 
 
 def test_a_batch_kept_full_is_never_pooled_with_a_batch_draining(tmp_path):
@@ -83,7 +108,7 @@ def test_the_command_writes_json_and_png_and_refuses_what_it_cannot_read(tmp_pat
     out = tmp_path / "out"
     assert main(["bench", "engine-runs", "--runs", f"{a},{b}", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "eagle        8  1  second   2/2" in printed
+    assert "eagle        8  1 alone   second   2/2" in printed
     result = json.loads((out / "engine-runs.json").read_text())
     assert result["runs"] == ["engine-run9", "engine-run10"]
     assert result["cells"][0]["values"]["warm-second"] == [0.95, 0.97]
