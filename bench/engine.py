@@ -1574,7 +1574,8 @@ def _plot_ratios(summary: list[dict], path: Path) -> None:
                   fontsize=8)
     ax.set_title("Controller vs the best static shape in hindsight (main pass)\nand vs the picked shape "
                  "(second pass)", fontsize=9)
-    ax.legend(fontsize=7, ncol=4, loc="lower center")
+    # below the axes, where it hides no interval
+    ax.legend(fontsize=7, ncol=3 if len(series) > 4 else 4, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
