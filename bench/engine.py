@@ -37,16 +37,17 @@ through ``worker.reference.engine.Engine`` with ``max_batch = batch``:
   evaluation prompt (checked). The controller's acceptance model is shared
   by every worker of a drafter version, so a fresh worker id on the warm
   controller would not be cold: the cold runs get controllers of their own.
-  Where the warm-up runs (``warmup``): by default in the **crowd**, a
-  lockstep of every configuration of the timed one on the warm-up prompts
-  (untimed; another controller's runs stood in for by static chains of the
-  agents' fallback depth, so no other controller hears it), because what a
-  step costs depends on how many engines take turns (a draft at batch 8 is
-  3-8 % dearer against plain among ~30 engines than among six; stop 38),
-  and a warm-up alone taught the controller prices the timed run does not
-  pay. ``alone``: each warm engine decodes the warm-up by itself (every run
-  before stop 39). ``both``: a second warm controller (``-warm-alone``)
-  warmed alone, timed beside the crowd-warmed one in every lockstep;
+  Where the warm-up runs (``warmup``): by default ``alone``, each warm
+  engine decoding the warm-up by itself. ``crowd``: in a lockstep of every
+  configuration of the timed one on the warm-up prompts (untimed; another
+  controller's runs stood in for by static chains of the agents' fallback
+  depth, so no other controller hears it), since what a step costs depends
+  on how many engines take turns (a draft at batch 8 is 3-8 % dearer
+  against plain among ~30 engines than among six; stop 38). ``both``: a
+  second warm controller (``-warm-alone``) warmed alone, timed beside the
+  crowd-warmed one in every lockstep. Measured with ``both`` (runs S and T,
+  docs/benchmarks.md): the crowd-warmed one ahead in 16 of 24 pairs, 1 % on
+  the mean, not significant, for twice the run time, so ``alone`` stays;
 - ``oracle`` / ``static-dK``: replays the target's own greedy continuation
   (100% acceptance), the ceiling of this verification pipeline here.
 
@@ -611,14 +612,14 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True,
                      warmup_prompts: int = 8, kernels: str = "tuned", calibrate: bool = True,
                      trees=DEFAULT_TREES, controller_overrides: dict | None = None, confirm: bool = True,
-                     verify_layout: str = "packed", warmup: str = "crowd") -> int:
+                     verify_layout: str = "packed", warmup: str = "alone") -> int:
     """The benchmark; see the module docstring. ``warmup_prompts`` = 0: no warm
     controller (the cold one only). ``warmup``: where the warm controller decodes
-    its warm-up prompts (:data:`WARMUPS`): ``crowd``, in a lockstep of every
-    configuration of the timed one (the conditions it is timed in); ``alone``,
-    by itself (runs before stop 39); ``both``, a second warm controller
-    (``-warm-alone``) warmed alone beside the crowd-warmed one, in every
-    lockstep (a paired comparison). ``controller_overrides``: controller config
+    its warm-up prompts (:data:`WARMUPS`): ``alone`` (default), by itself;
+    ``crowd``, in a lockstep of every configuration of the timed one (the
+    conditions it is timed in; twice the run time); ``both``, a second warm
+    controller (``-warm-alone``) warmed alone beside the crowd-warmed one, in
+    every lockstep (a paired comparison). ``controller_overrides``: controller config
     sections for both controllers (:func:`engine_controller_config`; recorded
     in the JSON as ``controller_config``). ``confirm``: the second pass, each
     drafter's best static shape against fresh controllers (module docstring)."""
@@ -780,7 +781,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     reference = Engine(model, max_batch=len(ids)).generate(ids, max_new_tokens)
     truth = {tuple(p): o for p, o in zip(ids, reference)}
     # The warm-up prompts' own: a warm-up in the crowd checks its runs and replays its oracle too.
-    warm_reference = Engine(model, max_batch=len(warm_ids)).generate(warm_ids, max_new_tokens) if warm_ids else []
+    warm_reference = (Engine(model, max_batch=len(warm_ids)).generate(warm_ids, max_new_tokens)
+                      if warm_ids and "crowd" in warm_how.values() else [])
     truth.update({tuple(p): o for p, o in zip(warm_ids, warm_reference)})
     tallies: dict[tuple[str, str, int], _Tally] = {}
     clocks: dict[int, RunClock] = {}  # id(agent) -> its controller's clock
@@ -1422,7 +1424,7 @@ def _print_summary(summary) -> None:
               f"{num(two.get('cold_vs_best_static_or_plain')):>10} {num(two.get('warm_vs_best_static_or_plain')):>10}")
     if any("warm-alone" in s for s in summary):
         def span(x):
-            return "" if not x else f" [{x[0]:.3f}, {x[1]:.3f}]"
+            return f" {_span(x)}" if x else ""
 
         print("\nwarmed alone beside it (warm-alone): against max(best static, plain) / max(shape, plain), and "
               "the crowd-warmed controller over it (warm/alone, 90 % interval)")
@@ -1434,10 +1436,7 @@ def _print_summary(summary) -> None:
                   f"  warm/alone {num(two.get('warm_vs_warm-alone'))}{span(two.get('warm_vs_warm-alone_interval'))}")
     if not any(k.endswith("_interval") for s in summary for k in s):
         return
-
-    def span(x):
-        return "-" if not x else f"[{x[0]:.3f}, {x[1]:.3f}]"
-
+    span = _span
     print("\n90 % intervals (the lockstep's rounds resampled in blocks, the best shape picked again each time, "
           "the engines' own speeds added):")
     for s in summary:
@@ -1448,6 +1447,11 @@ def _print_summary(summary) -> None:
               f"  warm/best {span(s.get('warm_vs_best_static_or_plain_interval'))}"
               f" | second pass: cold/shape {span(two.get('cold_vs_best_static_or_plain_interval'))}"
               f"  warm/shape {span(two.get('warm_vs_best_static_or_plain_interval'))}" + alone)
+
+
+def _span(x) -> str:
+    """An interval as printed: ``[lo, hi]``, or ``-`` where there is none."""
+    return "-" if not x else f"[{x[0]:.3f}, {x[1]:.3f}]"
 
 
 def _print_acceptance(rows) -> None:

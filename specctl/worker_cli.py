@@ -347,10 +347,10 @@ def add_bench_engine_options(bench) -> None:
     g.add_argument("--warmup-prompts", type=int, default=8,
                    help="held-out prompts outside the evaluation set that the warm controller decodes untimed "
                         "before each batch size (default 8; 0 = the cold controller only)")
-    g.add_argument("--warmup", choices=["crowd", "alone", "both"], default="crowd",
-                   help="where the warm controller decodes its warm-up prompts: 'crowd' (default), in a lockstep "
-                        "of every configuration of the timed one, the conditions it is timed in; 'alone', by "
-                        "itself (runs before stop 39); 'both': a second warm controller (goodput-warm-alone) "
+    g.add_argument("--warmup", choices=["alone", "crowd", "both"], default="alone",
+                   help="where the warm controller decodes its warm-up prompts: 'alone' (default), by itself; "
+                        "'crowd', in a lockstep of every configuration of the timed one, the conditions it is "
+                        "timed in (twice the run time); 'both': a second warm controller (goodput-warm-alone) "
                         "warmed alone beside the crowd-warmed one, timed in the same locksteps")
 
 
