@@ -728,8 +728,16 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         policy is ``prefix + policy-tag``), where every controlled run of another controller is
         stood in for by a static chain (``STAND_IN``): those controllers hear nothing.
         ``counts``: drafter -> PositionAcceptance of the ``warm`` controller's warm-up.
-        Returns one row per drafter and warm controller: its row-steps, drafting and overrides."""
+        Returns one row per drafter and warm controller: its row-steps, drafting, overrides and
+        whether its warm-up outputs equal plain greedy's."""
         rows = []
+
+        def row(d, tag, where, t: _Tally, **extra) -> dict:
+            return {"drafter": d, "batch": batch, "pass": "second" if prefix else "main", "controller": tag,
+                    "warmup": where, "row_steps": t.row_steps, "spec_row_steps": t.spec_row_steps,
+                    "override_row_steps": dict(t.overrides), "override_draft_asks": dict(t.override_draft_asks),
+                    "lossless": t.lossless, **extra}
+
         for tag, (ctl, agents) in controllers.items():
             if warm_how.get(tag) != "alone":
                 continue
@@ -738,13 +746,11 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                 observer = _Tee(agent, counts[d]) if counts is not None and tag == "warm" else agent
                 with clocks[id(agent)].live():
                     engine = Engine(model, built[d], agent.decide, observer=observer, max_batch=batch)
-                    engine.generate(warm_ids, max_new_tokens)
+                    outputs = engine.generate(warm_ids, max_new_tokens)
                 end = _override_counts(agent)
-                rows.append({"drafter": d, "batch": batch, "pass": "second" if prefix else "main", "controller": tag,
-                             "warmup": "alone",
-                             "row_steps": engine.stats.row_steps, "spec_row_steps": engine.stats.spec_row_steps,
-                             "override_row_steps": dict(end[0] - start[0]),
-                             "override_draft_asks": dict(end[1] - start[1]), "lossless": True})
+                t = _Tally(overrides=end[0] - start[0], override_draft_asks=end[1] - start[1])
+                t.add_stats(engine.stats, outputs == warm_reference)
+                rows.append(row(d, tag, "alone", t))
         crowd = {tag: c for tag, c in controllers.items() if warm_how.get(tag) == "crowd"}
         if not crowd:
             return rows
@@ -765,14 +771,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         _lockstep(model, Engine, make_specs(slot, timed=False), hf_depths, warm_ids, warm_reference, batch,
                   max_new_tokens, seen, clocks, syncs[-1], seed=f"warm-up {prefix}{batch}",
                   what=f"{prefix}warm-up, batch {batch}")
-        for tag, (_, agents) in crowd.items():
-            for d in agents:
-                t = seen[(d, f"{prefix}{policy}-{tag}", batch)]
-                rows.append({"drafter": d, "batch": batch, "pass": "second" if prefix else "main", "controller": tag,
-                             "warmup": "crowd",
-                             "row_steps": t.row_steps, "spec_row_steps": t.spec_row_steps,
-                             "override_row_steps": dict(t.overrides), "override_draft_asks": dict(t.override_draft_asks),
-                             "lossless": all(x.lossless for x in seen.values()), "crowd": len(seen)})
+        rows += [row(d, tag, "crowd", seen[(d, f"{prefix}{policy}-{tag}", batch)], crowd=len(seen))
+                 for tag, (_, agents) in crowd.items() for d in agents]
         return rows
 
     # Greedy output does not depend on the configuration (every run is
@@ -780,9 +780,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     # oracle's truth for every batch size.
     reference = Engine(model, max_batch=len(ids)).generate(ids, max_new_tokens)
     truth = {tuple(p): o for p, o in zip(ids, reference)}
-    # The warm-up prompts' own: a warm-up in the crowd checks its runs and replays its oracle too.
-    warm_reference = (Engine(model, max_batch=len(warm_ids)).generate(warm_ids, max_new_tokens)
-                      if warm_ids and "crowd" in warm_how.values() else [])
+    # The warm-up prompts' own: every warm-up is checked against it, and the oracle replays it in the crowd.
+    warm_reference = Engine(model, max_batch=len(warm_ids)).generate(warm_ids, max_new_tokens) if warm_ids else []
     truth.update({tuple(p): o for p, o in zip(warm_ids, warm_reference)})
     tallies: dict[tuple[str, str, int], _Tally] = {}
     clocks: dict[int, RunClock] = {}  # id(agent) -> its controller's clock

@@ -27,8 +27,8 @@ pass sets the controller against the best of seven noisy static runs picked
 on the very measurement, whose luck pulls its ratios under 1 even for a tie.
 
 The runs differ in more than noise (code, heads, kernel tables: the
-results index gives each run's commit and what changed), so a pooled mean is a summary of the project's recent runs, not
-an estimate of one controller; the sign counts per cell are the evidence.
+results index gives each run's commit and what changed), so a pooled mean
+is a summary of the project's recent runs, not an estimate of one controller; the sign counts per cell are the evidence.
 Each cell also gets the warm-up's first-position acceptance less the
 evaluation prompts' (``acceptance_warmup_vs_eval``, top-ranked candidate)
 and, over all cells, its correlation with the second pass's ratio: a warm-up
@@ -57,7 +57,7 @@ class CellRun:
     run: str
     drafter: str
     batch: int
-    # times over its runs decoded the prompts at this batch: 1 (one batch draining) but in run R, an
+    # times its run decoded the prompts at this batch: 1 (one batch draining) but in run R, an
     # experiment of stop 38 that kept the batch full (``passes`` in its engine.json)
     passes: int
     ratios: dict[str, float | None]  # "warm-main", "warm-second", "cold-main", "cold-second"
@@ -133,11 +133,12 @@ def load_cells(folder: str | Path) -> list[CellRun]:
         second = row.get("second_pass") or {}
         passes = int(result.get("passes", {}).get(str(row["batch"]), 1))
         for warm_tag, where in warmups.items():
+            # the run's controller each tag reads: its cold one counts once, beside the "warm" controller
+            source = {"warm": warm_tag, "cold": "cold" if warm_tag == "warm" else None}
             ratios = {}
             for tag in TAGS:
-                source = warm_tag if tag == "warm" else tag if warm_tag == "warm" else None
-                ratios[f"{tag}-main"] = row.get(f"{source}_vs_best_static_or_plain") if source else None
-                ratios[f"{tag}-second"] = second.get(f"{source}_vs_best_static_or_plain") if source else None
+                ratios[f"{tag}-main"] = row.get(f"{source[tag]}_vs_best_static_or_plain") if source[tag] else None
+                ratios[f"{tag}-second"] = second.get(f"{source[tag]}_vs_best_static_or_plain") if source[tag] else None
             # the acceptance rows count the warm controller's warm-up only
             out.append(CellRun(folder.name, row["drafter"], int(row["batch"]), passes, ratios,
                                gaps.get((row["drafter"], row["batch"])) if warm_tag == "warm" else None, where))
