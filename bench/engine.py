@@ -47,7 +47,10 @@ through ``worker.reference.engine.Engine`` with ``max_batch = batch``:
   second warm controller (``-warm-alone``) warmed alone, timed beside the
   crowd-warmed one in every lockstep. Measured with ``both`` (runs S and T,
   docs/benchmarks.md): the crowd-warmed one ahead in 16 of 24 pairs, 1 % on
-  the mean, not significant, for twice the run time, so ``alone`` stays;
+  the mean, not significant, for twice the run time, so ``alone`` stays.
+  ``challenger_policy``: one more warm controller (``-challenger``) on
+  another policy file, warmed where ``-warm`` is and timed beside it: two
+  policy configurations compared paired (``challenger_vs_warm``);
 - ``oracle`` / ``static-dK``: replays the target's own greedy continuation
   (100% acceptance), the ceiling of this verification pipeline here.
 
@@ -194,6 +197,11 @@ class EngineRun:
     override_draft_asks: dict = field(default_factory=dict)
     spec_row_steps: int = 0  # row-steps that drafted (spec_fraction's numerator)
     controlled: bool = False  # decided by a controller's agent
+    # Row-steps over steps x batch: the share of the batch's slots that held a request. Plain fills
+    # them to the end (every row emits one token a step); drafting rows finish unevenly, and once
+    # the queue is empty the batch's last steps run part-empty (stop 40: 0.83-0.88 at batch 8 with
+    # 8 prompts, one closed batch, against 0.92-0.96 at batch 4, where the queue refills a slot).
+    occupancy: float = 0.0
 
 
 @dataclass
@@ -267,7 +275,8 @@ class _Tally:
                          nodes_per_spec_row_step=round(self.draft_nodes / max(self.spec_row_steps, 1), 2),
                          shadow_drafts=self.shadow_drafts, shadow_ms_per_step=round(1e3 * self.shadow_s / steps, 4),
                          override_row_steps=dict(self.overrides), override_draft_asks=dict(self.override_draft_asks),
-                         spec_row_steps=self.spec_row_steps, controlled=self.controlled)
+                         spec_row_steps=self.spec_row_steps, controlled=self.controlled,
+                         occupancy=round(self.row_steps / max(steps * batch, 1), 3))
 
 
 class RunClock:
@@ -327,14 +336,18 @@ WARMUPS = ("crowd", "alone", "both")
 STAND_IN = Decision.chain(2)
 
 
-def _warm_controllers(warmup: str) -> dict[str, str]:
+def _warm_controllers(warmup: str, challenger: bool = False) -> dict[str, str]:
     """The warm controllers of a ``warmup`` setting: tag -> where it warms up.
+    ``challenger``: one more, on another policy file, warmed where ``warm`` is.
 
     >>> _warm_controllers("both")
     {'warm': 'crowd', 'warm-alone': 'alone'}
+    >>> _warm_controllers("alone", challenger=True)
+    {'warm': 'alone', 'challenger': 'alone'}
     """
-    return {"crowd": {"warm": "crowd"}, "alone": {"warm": "alone"},
-            "both": {"warm": "crowd", "warm-alone": "alone"}}[warmup]
+    how = {"crowd": {"warm": "crowd"}, "alone": {"warm": "alone"},
+           "both": {"warm": "crowd", "warm-alone": "alone"}}[warmup]
+    return {**how, "challenger": how["warm"]} if challenger else how
 
 
 class ControlSync:
@@ -612,7 +625,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
                      threads: int = 1, heads_dir: str | None = None, plot: bool = True,
                      warmup_prompts: int = 8, kernels: str = "tuned", calibrate: bool = True,
                      trees=DEFAULT_TREES, controller_overrides: dict | None = None, confirm: bool = True,
-                     verify_layout: str = "packed", warmup: str = "alone") -> int:
+                     verify_layout: str = "packed", warmup: str = "alone", challenger_policy: str = "") -> int:
     """The benchmark; see the module docstring. ``warmup_prompts`` = 0: no warm
     controller (the cold one only). ``warmup``: where the warm controller decodes
     its warm-up prompts (:data:`WARMUPS`): ``alone`` (default), by itself;
@@ -622,7 +635,11 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     every lockstep (a paired comparison). ``controller_overrides``: controller config
     sections for both controllers (:func:`engine_controller_config`; recorded
     in the JSON as ``controller_config``). ``confirm``: the second pass, each
-    drafter's best static shape against fresh controllers (module docstring)."""
+    drafter's best static shape against fresh controllers (module docstring).
+    ``challenger_policy``: a policy file (or preset name) for one more warm
+    controller (``-challenger``), warmed where the warm one is and timed beside it
+    in every lockstep, so two policy configurations compare paired
+    (``challenger_vs_warm``); ``controller_overrides`` apply to it too."""
     from controller.background import BackgroundController
     from worker.reference.drafters.oracle import OracleDrafter
     from worker.reference.engine.engine import Engine, static_decide
@@ -632,7 +649,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
     if warmup not in WARMUPS:
         raise ValueError(f"warmup {warmup!r}: one of {', '.join(WARMUPS)}")
-    warm_how = _warm_controllers(warmup)
+    warm_how = _warm_controllers(warmup, challenger=bool(challenger_policy))
     set_threads(threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -663,13 +680,16 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
         calibration = calibrate_verify(model, max(batches), max(built[d].limits.max_tree_nodes for d in learned))
 
-    def start_controller(record: str, suffix: str):
+    def start_controller(record: str, suffix: str, tag: str = ""):
         """A controller recording what it receives (``DIR/<record>``: every step's decisions, times
-        and outcomes, readable step by step afterwards) and one agent per learned drafter."""
+        and outcomes, readable step by step afterwards) and one agent per learned drafter; the
+        challenger's (``tag``) on its own policy file."""
         from worker.sdk.agent import AgentOptions, SpeculationAgent
 
         clock = RunClock()
-        ctl = BackgroundController(engine_controller_config(policy, str(out / record), controller_overrides), clock)
+        config = engine_controller_config(challenger_policy if tag == "challenger" else policy, str(out / record),
+                                          controller_overrides)
+        ctl = BackgroundController(config, clock)
         agents = {}
         try:
             for d in learned:
@@ -696,7 +716,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         try:
             for tag in ("cold", *warm_how):
                 started[tag] = start_controller(f"engine-telemetry-{CONFIRM}{tag}-b{batch}.jsonl.gz",
-                                                f"-{CONFIRM}{tag}-b{batch}")
+                                                f"-{CONFIRM}{tag}-b{batch}", tag)
 
             def specs(slot, timed=True):
                 again = [("none", f"{CONFIRM}plain", None, None, None)]
@@ -796,7 +816,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         if controlled and warm_ids:
             for tag in warm_how:
                 warm[tag] = start_controller("engine-telemetry.jsonl.gz" if tag == "warm"
-                                             else f"engine-telemetry-{tag}.jsonl.gz", "" if tag == "warm" else f"-{tag}")
+                                             else f"engine-telemetry-{tag}.jsonl.gz", "" if tag == "warm" else f"-{tag}",
+                                             tag)
         for batch in batches:
             # The cold one: a controller of its own for this batch size, no traffic before the timed run.
             cold_ctl, cold_agents = (start_controller(f"engine-telemetry-cold-b{batch}.jsonl.gz", f"-cold-b{batch}")
@@ -889,6 +910,8 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         # where each warm controller decoded its warm-up: tag -> crowd / alone (``warmup``)
         "controller_warmup": {tag: warm_how[tag] for tag in warm},
         "controller_config": dict(controller_overrides or {}),
+        # the challenger's policy file and its fields (``challenger_policy``), "" without one
+        "challenger_policy": _policy_fields(challenger_policy) if "challenger" in warm else "",
         # the lockstep rounds that ended with a ControlSync, and the wall seconds it waited (outside every timing)
         "control_sync": {"rounds": sum(s.rounds for s in syncs), "seconds": round(sum(s.seconds for s in syncs), 2)},
         "static_shapes": {d: [name for name, _ in shapes[d]] for d in learned},
@@ -932,9 +955,21 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
 
 CONFIRM = "confirm-"  # policy prefix of the confirmation pass's runs
-# The controlled runs' policy suffixes: a fresh controller per batch, one warmed as ``warmup`` says, and
-# with ``warmup="both"`` one warmed alone beside it.
-CONTROLLER_TAGS = ("cold", "warm", "warm-alone")
+# The controlled runs' policy suffixes: a fresh controller per batch, one warmed as ``warmup`` says,
+# with ``warmup="both"`` one warmed alone beside it, and with a challenger policy one more on that policy.
+CONTROLLER_TAGS = ("cold", "warm", "warm-alone", "challenger")
+# Paired ratios of two controllers timed in the same locksteps (numerator, denominator): ``A_vs_B``.
+CONTROLLER_PAIRS = (("warm", "warm-alone"), ("challenger", "warm"))
+
+
+def _policy_fields(path_or_name: str) -> dict:
+    """Where a policy file was read from and its fields, for the JSON."""
+    import yaml
+
+    from policies.presets import preset_path
+
+    path = preset_path(path_or_name)
+    return {"path": str(path), "fields": yaml.safe_load(path.read_text())}
 
 
 def rescore_intervals(folder: str | Path, plot: bool = True) -> list[dict]:
@@ -1024,13 +1059,15 @@ def static_vs_controller(runs, policy: str, series: dict | None = None, engine_v
                         row["second_pass"][f"{tag}_vs_best_static_or_plain_interval"] = _ratio_interval(
                             series, drafter, batch, f"{CONFIRM}{policy}-{tag}", [CONFIRM + best.policy], CONFIRM,
                             engine_var)
-        # --warmup both: the crowd-warmed controller over the one warmed alone, timed in the same locksteps
-        for where, prefix in ((row, ""), (row.get("second_pass"), CONFIRM)):
-            if where is not None and where.get("warm") and where.get("warm-alone"):
-                where["warm_vs_warm-alone"] = round(where["warm"] / where["warm-alone"], 3)
-                if series:
-                    where["warm_vs_warm-alone_interval"] = _pair_interval(
-                        series, drafter, batch, f"{prefix}{policy}-warm", f"{prefix}{policy}-warm-alone", engine_var)
+        # Two controllers timed in the same locksteps, paired: the crowd-warmed one over the one warmed
+        # alone (--warmup both), the challenger's policy over the warm one's.
+        for a, b in CONTROLLER_PAIRS:
+            for where, prefix in ((row, ""), (row.get("second_pass"), CONFIRM)):
+                if where is not None and where.get(a) and where.get(b):
+                    where[f"{a}_vs_{b}"] = round(where[a] / where[b], 3)
+                    if series:
+                        where[f"{a}_vs_{b}_interval"] = _pair_interval(
+                            series, drafter, batch, f"{prefix}{policy}-{a}", f"{prefix}{policy}-{b}", engine_var)
         ctl = row["warm"] if row["warm"] is not None else row["cold"]
         row["share_of_oracle"] = round(ctl / max(oracle), 3) if oracle and ctl is not None else None
         row["lossless"] = all(r.lossless for r in rs)
@@ -1399,10 +1436,11 @@ def _kernel_summary(report) -> dict:
 
 def _print_table(runs) -> None:
     print(f"{'drafter':18} {'policy':18} {'batch':>5} {'tok/s':>7} {'tok/cpu-s':>9} {'speedup':>7} {'(wall)':>7} "
-          f"{'τ':>5} {'lossless':>8}")
+          f"{'τ':>5} {'occ.':>5} {'lossless':>8}")
     for r in runs:
         print(f"{r.drafter:18} {r.policy:18} {r.batch:>5} {r.tokens_per_s:7.2f} {r.tokens_per_cpu_s:9.2f} "
-              f"{r.speedup_vs_plain:7.3f} {r.speedup_vs_plain_wall:7.3f} {r.mean_accepted:5.2f} {str(r.lossless):>8}")
+              f"{r.speedup_vs_plain:7.3f} {r.speedup_vs_plain_wall:7.3f} {r.mean_accepted:5.2f} {r.occupancy:5.2f} "
+              f"{str(r.lossless):>8}")
 
 
 def _print_summary(summary) -> None:
@@ -1421,18 +1459,23 @@ def _print_summary(summary) -> None:
               f"{num(s['cold_vs_best_static_or_plain']):>9} {num(s['warm_vs_best_static_or_plain']):>9} | "
               f"{'':13}{num(two.get('best_static_speedup')):>6} {num(two.get('cold')):>6} {num(two.get('warm')):>6} "
               f"{num(two.get('cold_vs_best_static_or_plain')):>10} {num(two.get('warm_vs_best_static_or_plain')):>10}")
-    if any("warm-alone" in s for s in summary):
-        def span(x):
-            return f" {_span(x)}" if x else ""
+    def spaced(x):
+        return f" {_span(x)}" if x else ""
 
-        print("\nwarmed alone beside it (warm-alone): against max(best static, plain) / max(shape, plain), and "
-              "the crowd-warmed controller over it (warm/alone, 90 % interval)")
+    # (the controller a block is about, the paired ratio's numerator and denominator, the block's title)
+    for about, a, b, title in (("warm-alone", "warm", "warm-alone", "warmed alone beside it (warm-alone)"),
+                               ("challenger", "challenger", "warm",
+                                "the challenger's policy beside the warm one (challenger)")):
+        if not any(about in s for s in summary):
+            continue
+        print(f"\n{title}: against max(best static, plain) / max(shape, plain), and {a}/{b} paired "
+              f"(90 % interval)")
         for s in summary:
             two = s.get("second_pass", {})
-            print(f"{s['drafter']:8} {s['batch']:>5}  main {num(s.get('warm-alone_vs_best_static_or_plain')):>6}"
-                  f"  warm/alone {num(s.get('warm_vs_warm-alone'))}{span(s.get('warm_vs_warm-alone_interval'))}"
-                  f"  | second pass {num(two.get('warm-alone_vs_best_static_or_plain')):>6}"
-                  f"  warm/alone {num(two.get('warm_vs_warm-alone'))}{span(two.get('warm_vs_warm-alone_interval'))}")
+            print(f"{s['drafter']:8} {s['batch']:>5}  main {num(s.get(f'{about}_vs_best_static_or_plain')):>6}"
+                  f"  {a}/{b} {num(s.get(f'{a}_vs_{b}'))}{spaced(s.get(f'{a}_vs_{b}_interval'))}"
+                  f"  | second pass {num(two.get(f'{about}_vs_best_static_or_plain')):>6}"
+                  f"  {a}/{b} {num(two.get(f'{a}_vs_{b}'))}{spaced(two.get(f'{a}_vs_{b}_interval'))}")
     if not any(k.endswith("_interval") for s in summary for k in s):
         return
     span = _span
@@ -1440,12 +1483,13 @@ def _print_summary(summary) -> None:
           "the engines' own speeds added):")
     for s in summary:
         two = s.get("second_pass", {})
-        alone = "".join(f"{label}{span(where.get('warm-alone_vs_best_static_or_plain_interval'))}"
-                        for label, where in ((" | warm-alone: /best ", s), (" /shape ", two)) if "warm-alone" in where)
+        others = "".join(f"{label}{span(where.get(f'{tag}_vs_best_static_or_plain_interval'))}"
+                        for tag in ("warm-alone", "challenger")
+                        for label, where in ((f" | {tag}: /best ", s), (" /shape ", two)) if tag in where)
         print(f"{s['drafter']:8} {s['batch']:>5}  cold/best {span(s.get('cold_vs_best_static_or_plain_interval'))}"
               f"  warm/best {span(s.get('warm_vs_best_static_or_plain_interval'))}"
               f" | second pass: cold/shape {span(two.get('cold_vs_best_static_or_plain_interval'))}"
-              f"  warm/shape {span(two.get('warm_vs_best_static_or_plain_interval'))}" + alone)
+              f"  warm/shape {span(two.get('warm_vs_best_static_or_plain_interval'))}" + others)
 
 
 def _span(x) -> str:
@@ -1523,6 +1567,8 @@ def _plot(runs, path: Path, batches) -> None:
                 bar.set_hatch("xx")
             elif r.policy.endswith("-warm-alone"):
                 bar.set_hatch("..")
+            elif r.policy.endswith("-challenger"):
+                bar.set_hatch("++")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks(range(len(rs)))
         ax.set_xticklabels(labels, rotation=70, fontsize=6)
@@ -1555,6 +1601,9 @@ def _plot_ratios(summary: list[dict], path: Path) -> None:
     if any("warm-alone" in s for s in summary):  # warmed alone beside the crowd-warmed one
         series[2:2] = [("warm-alone", "main", "#66aa66", "^")]
         series.append(("warm-alone", "second", "#226622", "^"))
+    if any("challenger" in s for s in summary):  # another policy file beside the warm one
+        series.insert(len(series) // 2, ("challenger", "main", "#bb66bb", "D"))
+        series.append(("challenger", "second", "#772277", "D"))
     fig, ax = plt.subplots(figsize=(max(7.0, 1.0 * len(cells)), 4.2))
     for i, (tag, passed, color, marker) in enumerate(series):
         xs, ys, lo, hi = [], [], [], []

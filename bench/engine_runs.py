@@ -34,6 +34,11 @@ evaluation prompts' (``acceptance_warmup_vs_eval``, top-ranked candidate)
 and, over all cells, its correlation with the second pass's ratio: a warm-up
 that accepts more than the timed prompts teaches the controller to draft
 more than they pay for.
+
+Runs made with a challenger policy (``--challenger-policy``, stop 40) also
+give each cell a paired ratio, challenger / warm, timed in one lockstep:
+:func:`challenger_pairs` pools them per policy file, per pass and batch
+size, with the sign test (``challengers`` in ``engine-runs.json``).
 """
 
 from __future__ import annotations
@@ -190,6 +195,52 @@ def cross_run(cells: Sequence[CellRun]) -> tuple[list[CellSummary], dict]:
     return summaries, overall
 
 
+def challenger_pairs(folders: Sequence[str | Path]) -> dict[str, dict]:
+    """The runs made with a challenger policy (``--challenger-policy``), per
+    policy file: every cell's paired ratio challenger / warm (both timed in one
+    lockstep), per pass and per batch size, with their :class:`Signs` (under 1:
+    the challenger behind). Runs of the same file pool; the warm controllers
+    they are set against are each run's own.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     for i, v in enumerate([1.05, 0.98]):
+    ...         _ = (Path(tmp) / f"r{i}").mkdir()
+    ...         _ = (Path(tmp) / f"r{i}" / "engine.json").write_text(json.dumps({
+    ...             "challenger_policy": {"path": "c.yaml", "fields": {"min_gain": 0.05}},
+    ...             "static_vs_controller": [{"drafter": "eagle", "batch": 8, "challenger_vs_warm": v,
+    ...                                       "second_pass": {"challenger_vs_warm": 1.02}}]}))
+    ...     pairs = challenger_pairs([Path(tmp) / "r0", Path(tmp) / "r1"])
+    >>> pairs["c.yaml"]["runs"], pairs["c.yaml"]["all"]["under"], pairs["c.yaml"]["all"]["counted"]
+    (['r0', 'r1'], 1, 4)
+    >>> pairs["c.yaml"]["by_batch"]["8"]["main"]["mean"]
+    1.015
+    """
+    out: dict[str, dict] = {}
+    for folder in folders:
+        folder = Path(folder)
+        result = json.loads((folder / "engine.json").read_text())
+        challenger = result.get("challenger_policy")
+        if not challenger:
+            continue
+        entry = out.setdefault(challenger["path"], {"fields": challenger["fields"], "runs": [], "values": []})
+        entry["runs"].append(folder.name)
+        for row in result.get("static_vs_controller", []):
+            for passed, where in (("main", row), ("second", row.get("second_pass") or {})):
+                if where.get("challenger_vs_warm") is not None:
+                    entry["values"].append((int(row["batch"]), passed, folder.name, row["drafter"],
+                                            where["challenger_vs_warm"]))
+    for entry in out.values():
+        values = entry.pop("values")
+        entry["pairs"] = [{"batch": b, "pass": p, "run": r, "drafter": d, "challenger_vs_warm": v}
+                          for b, p, r, d, v in values]
+        entry["all"] = asdict(Signs.of([v for *_, v in values]))
+        entry["by_batch"] = {str(b): {p: asdict(Signs.of([v for bb, pp, *_, v in values if (bb, pp) == (b, p)]))
+                                      for p in PASSES}
+                             for b in sorted({b for b, *_ in values})}
+    return out
+
+
 def default_run_folders(results: str | Path = "bench/results") -> list[Path]:
     """Every ``engine-run*`` folder under ``results`` whose run has a second pass, in run order."""
     found = []
@@ -217,9 +268,12 @@ def run_engine_runs(folders: Sequence[str | Path], out_dir: str | Path = "bench/
     summaries, overall = cross_run(cells)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"runs": [Path(f).name for f in folders], "cells": [asdict(s) for s in summaries], "overall": overall}
+    challengers = challenger_pairs(folders)
+    result = {"runs": [Path(f).name for f in folders], "cells": [asdict(s) for s in summaries], "overall": overall,
+              "challengers": challengers}
     (out / "engine-runs.json").write_text(json.dumps(result, indent=1))
     _print(summaries, overall, [Path(f).name for f in folders])
+    _print_challengers(challengers)
     if plot:
         _plot(summaries, out / "engine-runs.png", len(folders))
     print(f"wrote {out / 'engine-runs.json'}" + (f" and {out / 'engine-runs.png'}" if plot else ""))
@@ -244,6 +298,17 @@ def _print(summaries: list[CellSummary], overall: dict, runs: list[str]) -> None
             print(f"all cells, warm-up {warmup}, {key}: under 1 in {o['under']} of {o['counted']} "
                   f"(sign p {o['sign_p']:.2g}), mean {mean}, "
                   f"correlation with warm-up minus evaluation acceptance {o['acceptance_gap_correlation']}")
+
+
+def _print_challengers(challengers: dict[str, dict]) -> None:
+    for path, c in challengers.items():
+        a = c["all"]
+        print(f"\nchallenger {path} {c['fields']} over {', '.join(c['runs'])}: challenger / warm, paired, behind in "
+              f"{a['under']} of {a['counted']} (sign p {a['sign_p']:.2g}), mean {a['mean']}")
+        for batch, by_pass in c["by_batch"].items():
+            print("  batch " + batch + ": " + "; ".join(
+                f"{p} pass behind in {sg['under']} of {sg['counted']}, mean {sg['mean']}" for p, sg in by_pass.items()
+                if sg["mean"] is not None))
 
 
 def _plot(summaries: list[CellSummary], path: Path, n_runs: int) -> None:

@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--jobs", type=int, help="parallel processes (default: CPU count)")
     pol.add_argument("--delay-steps", type=int, default=2, help="plan delivery delay in worker steps (default 2)")
     pol.add_argument("--config", help="controller YAML config for the controller-driven runs (bench engine: sections "
-                                      "applied to its two controllers, e.g. acceptance)")
+                                      "applied to all its controllers, e.g. acceptance)")
     pol.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     pol.add_argument("--seeds", type=int, nargs="+", metavar="N",
                      help="policy seeds: each preset with a seed (goodput) runs once per seed, reported as the mean "

@@ -352,6 +352,10 @@ def add_bench_engine_options(bench) -> None:
                         "'crowd', in a lockstep of every configuration of the timed one, the conditions it is "
                         "timed in (twice the run time); 'both': a second warm controller (goodput-warm-alone) "
                         "warmed alone beside the crowd-warmed one, timed in the same locksteps")
+    g.add_argument("--challenger-policy", default="", metavar="FILE",
+                   help="a policy file (or preset name) for one more warm controller (goodput-challenger), warmed "
+                        "where the warm one is and timed beside it in every lockstep: two policy configurations "
+                        "compared paired (challenger_vs_warm); e.g. bench/challengers/goodput-no-probes.yaml")
 
 
 def bench_engine(args: argparse.Namespace) -> int:
@@ -362,13 +366,21 @@ def bench_engine(args: argparse.Namespace) -> int:
     overrides = _controller_overrides(getattr(args, "config", None))
     if overrides is None:
         return 2
+    if args.challenger_policy:
+        from policies.presets import PresetError, load_preset
+
+        try:
+            load_preset(args.challenger_policy)
+        except PresetError as err:
+            print(f"specctl bench engine: --challenger-policy: {err}", file=sys.stderr)
+            return 2
     return run_engine_bench(
         out_dir=args.out, model_name=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
         prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         depths=tuple(int(d) for d in args.depths.split(",")), drafters=tuple(args.drafters.split(",")),
         policy=args.engine_policy, threads=args.threads, heads_dir=args.heads, warmup_prompts=args.warmup_prompts,
         kernels=args.kernels, trees=_tree_shapes(args.trees), controller_overrides=overrides, confirm=args.confirm,
-        verify_layout=args.verify_layout, warmup=args.warmup)
+        verify_layout=args.verify_layout, warmup=args.warmup, challenger_policy=args.challenger_policy)
 
 
 def _controller_overrides(path: str | None) -> dict | None:

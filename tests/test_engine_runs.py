@@ -124,3 +124,29 @@ def test_the_command_writes_json_and_png_and_refuses_what_it_cannot_read(tmp_pat
     assert "engine-run11/engine.json" in err and "static_vs_controller" in err
     with pytest.raises(ValueError, match="two run folders"):
         run_engine_runs([a], out)
+
+
+def test_challenger_runs_pool_their_paired_ratios_per_policy_file(tmp_path, capsys):
+    folders = []
+    for i, (path, main_ratio, second_ratio) in enumerate(
+            [("bench/challengers/a.yaml", 1.04, 0.99), ("bench/challengers/a.yaml", 1.02, 1.03),
+             ("bench/challengers/b.yaml", 0.95, 0.97), (None, None, None)]):
+        folder = _write_run(tmp_path / f"engine-run{i + 1}", {("eagle", 8): 0.97, ("eagle", 4): 1.0})
+        result = json.loads((folder / "engine.json").read_text())
+        if path:
+            result["challenger_policy"] = {"path": path, "fields": {"policy": "goodput"}}
+            for row in result["static_vs_controller"]:
+                row["challenger_vs_warm"] = main_ratio
+                row["second_pass"]["challenger_vs_warm"] = second_ratio
+        (folder / "engine.json").write_text(json.dumps(result))
+        folders.append(folder)
+    out = tmp_path / "out"
+    assert run_engine_runs(folders, out, plot=False) == 0
+    challengers = json.loads((out / "engine-runs.json").read_text())["challengers"]
+    assert set(challengers) == {"bench/challengers/a.yaml", "bench/challengers/b.yaml"}  # the run without: none
+    a = challengers["bench/challengers/a.yaml"]
+    assert a["runs"] == ["engine-run1", "engine-run2"] and len(a["pairs"]) == 2 * 2 * 2  # runs x cells x passes
+    assert (a["all"]["under"], a["all"]["counted"]) == (2, 8)  # the 0.99s: behind
+    assert a["by_batch"]["8"]["second"]["mean"] == pytest.approx(1.01)
+    assert challengers["bench/challengers/b.yaml"]["all"]["under"] == 4
+    assert "challenger bench/challengers/a.yaml" in capsys.readouterr().out
