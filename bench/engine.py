@@ -649,6 +649,9 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
     if warmup not in WARMUPS:
         raise ValueError(f"warmup {warmup!r}: one of {', '.join(WARMUPS)}")
+    if challenger_policy and not warmup_prompts:
+        raise ValueError(f"challenger_policy {challenger_policy!r} is timed beside the warm controller, "
+                         f"and warmup_prompts=0 starts none")
     warm_how = _warm_controllers(warmup, challenger=bool(challenger_policy))
     set_threads(threads)
     out = Path(out_dir)

@@ -369,6 +369,11 @@ def bench_engine(args: argparse.Namespace) -> int:
     if args.challenger_policy:
         from policies.presets import PresetError, load_preset
 
+        if not args.warmup_prompts:
+            print("specctl bench engine: --challenger-policy is timed beside the warm controller, and "
+                  "--warmup-prompts 0 starts none", file=sys.stderr)
+            return 2
+
         try:
             load_preset(args.challenger_policy)
         except PresetError as err:

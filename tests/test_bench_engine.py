@@ -139,6 +139,12 @@ def test_a_bad_challenger_policy_is_refused_before_the_model_loads(tmp_path, cap
         assert main(["bench", "engine", "--challenger-policy", given, "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert "--challenger-policy" in err and named in err, err
+    good = str(CHALLENGER)
+    assert main(["bench", "engine", "--challenger-policy", good, "--warmup-prompts", "0",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "--warmup-prompts 0 starts none" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="warmup_prompts=0 starts none"):
+        run_engine_bench(out_dir=str(tmp_path / "out"), warmup_prompts=0, challenger_policy=good)
     assert not (tmp_path / "out").exists()  # nothing ran
 
 
