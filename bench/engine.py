@@ -633,7 +633,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
     conditions it is timed in; twice the run time); ``both``, a second warm
     controller (``-warm-alone``) warmed alone beside the crowd-warmed one, in
     every lockstep (a paired comparison). ``controller_overrides``: controller config
-    sections for both controllers (:func:`engine_controller_config`; recorded
+    sections for all its controllers (:func:`engine_controller_config`; recorded
     in the JSON as ``controller_config``). ``confirm``: the second pass, each
     drafter's best static shape against fresh controllers (module docstring).
     ``challenger_policy``: a policy file (or preset name) for one more warm
@@ -649,9 +649,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
 
     if warmup not in WARMUPS:
         raise ValueError(f"warmup {warmup!r}: one of {', '.join(WARMUPS)}")
-    if challenger_policy and not warmup_prompts:
-        raise ValueError(f"challenger_policy {challenger_policy!r} is timed beside the warm controller, "
-                         f"and warmup_prompts=0 starts none")
+    challenger = check_challenger(challenger_policy, warmup_prompts) if challenger_policy else {}
     warm_how = _warm_controllers(warmup, challenger=bool(challenger_policy))
     set_threads(threads)
     out = Path(out_dir)
@@ -914,7 +912,7 @@ def run_engine_bench(out_dir: str = "bench/results", model_name: str = "smollm2-
         "controller_warmup": {tag: warm_how[tag] for tag in warm},
         "controller_config": dict(controller_overrides or {}),
         # the challenger's policy file and its fields (``challenger_policy``), "" without one
-        "challenger_policy": _policy_fields(challenger_policy) if "challenger" in warm else "",
+        "challenger_policy": challenger or "",
         # the lockstep rounds that ended with a ControlSync, and the wall seconds it waited (outside every timing)
         "control_sync": {"rounds": sum(s.rounds for s in syncs), "seconds": round(sum(s.seconds for s in syncs), 2)},
         "static_shapes": {d: [name for name, _ in shapes[d]] for d in learned},
@@ -965,13 +963,24 @@ CONTROLLER_TAGS = ("cold", "warm", "warm-alone", "challenger")
 CONTROLLER_PAIRS = (("warm", "warm-alone"), ("challenger", "warm"))
 
 
-def _policy_fields(path_or_name: str) -> dict:
-    """Where a policy file was read from and its fields, for the JSON."""
+def check_challenger(policy_file: str, warmup_prompts: int) -> dict:
+    """A challenger policy checked before anything loads: the policy it builds
+    and a warm controller to time it beside (``warmup_prompts`` > 0). Returns
+    where it was read from and its fields, for the JSON; raises ``ValueError``
+    (a :class:`policies.presets.PresetError` for the file) naming what is wrong.
+
+    >>> check_challenger("goodput", 8)["fields"]["policy"]
+    'goodput'
+    """
     import yaml
 
-    from policies.presets import preset_path
+    from policies.presets import load_preset, preset_path
 
-    path = preset_path(path_or_name)
+    if not warmup_prompts:
+        raise ValueError(f"challenger policy {policy_file!r} is timed beside the warm controller, which "
+                         f"0 warm-up prompts (--warmup-prompts 0) do not start")
+    load_preset(policy_file)
+    path = preset_path(policy_file)
     return {"path": str(path), "fields": yaml.safe_load(path.read_text())}
 
 

@@ -367,16 +367,11 @@ def bench_engine(args: argparse.Namespace) -> int:
     if overrides is None:
         return 2
     if args.challenger_policy:
-        from policies.presets import PresetError, load_preset
-
-        if not args.warmup_prompts:
-            print("specctl bench engine: --challenger-policy is timed beside the warm controller, and "
-                  "--warmup-prompts 0 starts none", file=sys.stderr)
-            return 2
+        from bench.engine import check_challenger
 
         try:
-            load_preset(args.challenger_policy)
-        except PresetError as err:
+            check_challenger(args.challenger_policy, args.warmup_prompts)
+        except ValueError as err:
             print(f"specctl bench engine: --challenger-policy: {err}", file=sys.stderr)
             return 2
     return run_engine_bench(

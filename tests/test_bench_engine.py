@@ -142,8 +142,8 @@ def test_a_bad_challenger_policy_is_refused_before_the_model_loads(tmp_path, cap
     good = str(CHALLENGER)
     assert main(["bench", "engine", "--challenger-policy", good, "--warmup-prompts", "0",
                  "--out", str(tmp_path / "out")]) == 2
-    assert "--warmup-prompts 0 starts none" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="warmup_prompts=0 starts none"):
+    assert "--warmup-prompts 0) do not start" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--warmup-prompts 0"):
         run_engine_bench(out_dir=str(tmp_path / "out"), warmup_prompts=0, challenger_policy=good)
     assert not (tmp_path / "out").exists()  # nothing ran
 
